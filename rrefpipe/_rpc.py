@@ -1,0 +1,44 @@
+"""The one thin wrapper around the private corners of ``torch.distributed.rpc`` that rrefpipe needs."""
+from __future__ import annotations
+
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+
+__all__: list[str] = []
+
+
+def is_initialized() -> bool:
+    """Whether this process has a current RPC agent (``init_rpc`` ran and no shutdown since)."""
+    return rpc.is_available() and rpc_api._is_current_rpc_agent_set()
+
+
+def self_name() -> str:
+    return rpc.get_worker_info().name
+
+
+def worker_names() -> list[str]:
+    """Names of every worker in the group, ordered by rank."""
+    infos = rpc_api._get_current_rpc_agent().get_worker_infos()
+    return [info.name for info in sorted(infos, key=lambda info: info.id)]
+
+
+def current_context_id() -> int | None:
+    """Id of the distributed-autograd context current on this thread, or None."""
+    try:
+        return int(dist_autograd._current_context()._context_id())
+    except RuntimeError:
+        return None
+
+
+def prepare_reinit() -> None:
+    """Reset the module-global counters ``init_rpc`` keys its rendezvous by.
+
+    ``init_rpc`` prefixes the store with a per-process counter and ``_all_gather`` numbers its rounds
+    per worker-name set; after a shutdown a re-initialising driver would disagree with freshly started
+    workers (whose counters are 0) and hang. Each local group uses a fresh store, so zero is right.
+    """
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()

@@ -1,0 +1,95 @@
+"""Autograd plumbing: phony tensors that keep every RPC hop in the backward graph, and timing markers.
+
+Distributed autograd records an RPC only when its message carries a tensor that requires grad, and
+the driver's engine waits for a gradient to reach *every* recorded send. A stage with no parameters,
+or a first stage whose input needs no gradient, would break one of those. So every hop carries a
+*phony*: a zero-size tensor that requires grad, forked from the sender's output and joined into the
+receiver's output::
+
+    stage j                         stage j+1
+    out ─ Fork ─┬─ out ───── RPC ──── inp ─ partition ─ Join ─ out' ─ Fork ─ ...
+                └─ phony ─── RPC ──── phony ───────────────┘
+
+In backward the phony's gradient is an empty tensor, so the hop costs nothing, but every ``recv``
+is reachable from the loss and every ``send`` gets its gradient.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .microbatch import TensorOrTensors
+
+__all__: list[str] = []
+
+
+def new_phony(requires_grad: bool = True) -> Tensor:
+    return torch.empty(0, requires_grad=requires_grad)
+
+
+class _Fork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return tensor.detach(), torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.phony_device = phony.device
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return grad, torch.empty(0, device=ctx.phony_device)
+
+
+class _Marker(torch.autograd.Function):
+    """Identity on its tensor inputs; calls ``callback`` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.callback = callback
+        outputs = tuple(t.detach() for t in tensors)
+        ctx.mark_non_differentiable(*(o for o, t in zip(outputs, tensors) if not t.requires_grad))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+def _first(value: TensorOrTensors) -> Tensor:
+    return value if isinstance(value, Tensor) else value[0]
+
+
+def _replace_first(value: TensorOrTensors, first: Tensor) -> TensorOrTensors:
+    return first if isinstance(value, Tensor) else (first, *value[1:])
+
+
+def fork(value: TensorOrTensors) -> tuple[TensorOrTensors, Tensor]:
+    """Return ``value`` unchanged and a phony that depends on its first tensor."""
+    first, phony = _Fork.apply(_first(value))
+    return _replace_first(value, first), phony
+
+
+def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
+    """Return ``value`` unchanged, but make its first tensor depend on ``phony`` in backward."""
+    return _replace_first(value, _Join.apply(_first(value), phony))
+
+
+def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:
+    """Return ``value`` unchanged; ``callback`` runs once all gradients for it have arrived."""
+    tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+    if not any(t.requires_grad for t in tensors):
+        return value
+    marked = _Marker.apply(callback, *tensors)
+    return marked[0] if isinstance(value, Tensor) else tuple(marked)

@@ -1,0 +1,184 @@
+"""The driver side of the RPC protocol: feeds micro-batches to stage 0 and collects the outputs.
+
+Per forward pass the driver sends one message per micro-batch to the first stage and nothing else;
+activations then flow worker to worker (see :mod:`rrefpipe.server`). The last stage pushes outputs
+back here (``deliver``), or keeps them when the pipe's output should stay on the last worker.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from . import _rpc, microbatch, server
+from .dependency import join, new_phony
+from .errors import Failure, StageError
+from .microbatch import TensorOrTensors
+from .schedule import checkpoint_stop
+from .server import StageSpec
+from .stage import StageInfo, StepMeta
+from .trace import Event
+
+__all__: list[str] = []
+
+
+class _Collector:
+    """Outputs of one forward pass, filled in by ``deliver`` on RPC threads."""
+
+    def __init__(self, chunks: int) -> None:
+        self.outputs: list[TensorOrTensors | None] = [None] * chunks
+        self.lock = threading.Lock()
+
+
+_collectors: dict[tuple[str, int], _Collector] = {}
+_pipe_ids = itertools.count()
+
+
+def deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tensor | None) -> None:
+    """Called (over RPC, by the last stage) with micro-batch ``i``'s output."""
+    collector = _collectors.get((pipe_id, step))
+    if collector is None:
+        return  # a step the driver already gave up on
+    if phony is not None:
+        value = join(value, phony)
+    with collector.lock:
+        collector.outputs[i] = value
+
+
+def _send_copy(t: Tensor) -> Tensor:
+    # A chunk is a view of the whole batch, and TensorPipe sends a view's whole storage.
+    return t.clone() if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes else t
+
+
+class RemoteDriver:
+    """Places a pipe's stages on RPC workers and runs forward passes through them."""
+
+    def __init__(self, specs: Sequence[StageSpec], workers: Sequence[str], *, chunks: int, checkpoint: str,
+                 remote_output: bool, rpc_timeout: float) -> None:
+        self.pipe_id = f"{_rpc.self_name()}/{next(_pipe_ids)}"
+        self.workers = list(workers)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.remote_output = remote_output
+        self.rpc_timeout = rpc_timeout
+        self._steps = itertools.count()
+        self._lock = threading.Lock()
+        self._warned_no_context = False
+        self.infos: list[StageInfo] = []
+        try:
+            for spec in specs:
+                spec.layer_offset = sum(len(info.layers) for info in self.infos)
+                self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, spec))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- control calls ---------------------------------------------------------------------------
+    def _call(self, index: int, fn: Any, *args: Any) -> Any:
+        """A synchronous control RPC to stage ``index``; failures name the stage and worker."""
+        worker = self.workers[index]
+        try:
+            return rpc.rpc_sync(worker, fn, args=args, timeout=self.rpc_timeout)
+        except Exception as exc:
+            raise Failure.capture(exc, stage=index, worker=worker, microbatch=None, phase=fn.__name__,
+                                  transport=_is_transport_error(exc)).to_exception() from exc
+
+    def _call_all(self, fn: Any, *args: Any) -> list[Any]:
+        return [self._call(j, fn, self.pipe_id, j, *args) for j in range(len(self.infos))]
+
+    def parameter_rrefs(self) -> list[rpc.RRef]:
+        return [rref for rrefs in self._call_all(server.parameter_rrefs) for rref in rrefs]
+
+    def set_training(self, mode: bool) -> None:
+        self._call_all(server.set_training, mode)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        state: dict[str, Tensor] = {}
+        for part in self._call_all(server.state_dict):
+            state.update(part)
+        return state
+
+    def load_state_dict(self, parts: list[dict[str, Tensor]]) -> None:
+        for j, part in enumerate(parts):
+            self._call(j, server.load_state_dict, self.pipe_id, j, part)
+
+    def events(self, clear: bool) -> list[Event]:
+        return [e for part in self._call_all(server.events, clear) for e in part]
+
+    def close(self) -> None:
+        for j, worker in enumerate(self.workers[:len(self.infos)]):
+            try:
+                rpc.rpc_sync(worker, server.destroy_stage, args=(self.pipe_id, j), timeout=5)
+            except Exception:
+                pass  # a dead worker holds no stage any more
+        self.infos = []
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+        batches = microbatch.scatter(value, self.chunks)
+        grad_enabled = torch.is_grad_enabled() and _rpc.current_context_id() is not None
+        if torch.is_grad_enabled() and not grad_enabled and training and not self._warned_no_context:
+            self._warned_no_context = True
+            warnings.warn("Pipe forward in training mode outside dist_autograd.context(): stages run without "
+                          "autograd and no gradients will reach them", stacklevel=3)
+        with self._lock:  # steps run one at a time: stages rely on it to order micro-batches
+            step = next(self._steps)
+            meta = StepMeta(
+                step=step, chunks=len(batches),
+                checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches), enabled=training and grad_enabled),
+                grad_enabled=grad_enabled,
+                deliver_to=None if self.remote_output else _rpc.self_name(),
+                timeout=self.rpc_timeout,
+            )
+            collector = _Collector(len(batches))
+            _collectors[(self.pipe_id, step)] = collector
+            try:
+                self._run(meta, batches)
+            finally:
+                del _collectors[(self.pipe_id, step)]
+        if self.remote_output:
+            last = len(self.infos) - 1
+            return rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
+                              timeout=self.rpc_timeout)
+        outputs = collector.outputs
+        missing = [i for i, out in enumerate(outputs) if out is None]
+        if missing:
+            raise RuntimeError(f"pipe {self.pipe_id}: outputs of micro-batches {missing} never arrived")
+        return rpc.RRef(microbatch.gather(outputs))  # type: ignore[arg-type]
+
+    def _run(self, meta: StepMeta, batches: list[TensorOrTensors]) -> None:
+        first = self.workers[0]
+        futures = []
+        for i, batch in enumerate(batches):
+            phony = new_phony() if meta.grad_enabled else None
+            futures.append(rpc.rpc_async(first, server.receive, timeout=self.rpc_timeout,
+                                         args=(self.pipe_id, 0, meta, i, microbatch.apply(_send_copy, batch), phony)))
+        failures: list[Failure] = []
+        for i, future in enumerate(futures):
+            try:
+                status = future.wait()
+            except Exception as exc:
+                status = Failure.capture(exc, stage=0, worker=first, microbatch=i, phase="forward",
+                                         transport=True)
+            if status is not None:
+                failures.append(status)
+        if failures:
+            raise _first_cause(failures)
+
+
+def _first_cause(failures: list[Failure]) -> StageError:
+    """The failure that caused the others: a real error before a cancellation, the latest stage first."""
+    real = [f for f in failures if not f.cancelled] or failures
+    return min(real, key=lambda f: (f.transport, f.microbatch or 0)).to_exception()
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("eof", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
+                                    "Connection reset", "Broken pipe", "closed"))

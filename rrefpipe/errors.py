@@ -1,0 +1,88 @@
+"""Errors that name where they happened: stage, worker, micro-batch and the original exception.
+
+TensorPipe keeps only ``ValueError``/``TypeError`` across an RPC and names no worker, so stage code
+never lets an exception cross the wire: it captures a :class:`Failure` (a plain value) and the driver
+turns it back into a :class:`StageError` chained to the original exception.
+"""
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+
+__all__ = ["StageError", "WorkerError"]
+
+
+class StageError(RuntimeError):
+    """A stage raised while running a micro-batch.
+
+    Attributes carry the place (``stage``, ``worker``, ``microbatch``, ``phase``) and the cause
+    (``error_type``, ``error_message``, ``remote_traceback``); ``__cause__`` is the original exception
+    when it could be pickled.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        worker: str,
+        microbatch: int | None,
+        phase: str,
+        error_type: str,
+        error_message: str,
+        remote_traceback: str = "",
+    ) -> None:
+        where = f"stage {stage} on worker {worker!r}"
+        if microbatch is not None:
+            where += f", micro-batch {microbatch}"
+        super().__init__(f"{where} failed in {phase}: {error_type}: {error_message}")
+        self.stage = stage
+        self.worker = worker
+        self.microbatch = microbatch
+        self.phase = phase
+        self.error_type = error_type
+        self.error_message = error_message
+        self.remote_traceback = remote_traceback
+
+
+class WorkerError(StageError):
+    """The RPC to or from a stage worker failed: the worker died, was unreachable, or timed out."""
+
+
+@dataclass
+class Failure:
+    """A picklable record of an exception raised on a worker."""
+
+    stage: int
+    worker: str
+    microbatch: int | None
+    phase: str
+    error_type: str
+    message: str
+    remote_traceback: str
+    original: BaseException | None = None
+    transport: bool = False
+    cancelled: bool = False
+
+    @classmethod
+    def capture(
+        cls, exc: BaseException, *, stage: int, worker: str, microbatch: int | None, phase: str,
+        transport: bool = False,
+    ) -> Failure:
+        original: BaseException | None = exc
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            original = None
+        return cls(
+            stage, worker, microbatch, phase, type(exc).__name__, str(exc),
+            "".join(traceback.format_exception(exc)), original, transport,
+        )
+
+    def to_exception(self) -> StageError:
+        kind = WorkerError if self.transport else StageError
+        error = kind(
+            self.stage, self.worker, self.microbatch, self.phase, self.error_type, self.message,
+            self.remote_traceback,
+        )
+        error.__cause__ = self.original
+        return error

@@ -1,0 +1,52 @@
+"""In-process execution, for the PyTorch-1.8 way: ``init_rpc`` with world size 1, modules placed on devices.
+
+Stages run in this process in GPipe clock-cycle order; plain autograd applies, so ``loss.backward()``
+works on the output, and so does ``dist_autograd.backward`` inside a context.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from . import _rpc, microbatch
+from .microbatch import TensorOrTensors
+from .schedule import checkpoint_stop, clock_cycles
+from .stage import Stage, StageInfo, StepMeta
+from .trace import Event
+
+__all__: list[str] = []
+
+
+class LocalDriver:
+    """Runs every stage in the calling process."""
+
+    def __init__(self, modules: Sequence[nn.Sequential], devices: Sequence[torch.device], *, chunks: int,
+                 checkpoint: str) -> None:
+        name = _rpc.self_name()
+        self.stages = [Stage(j, module, device, name) for j, (module, device) in enumerate(zip(modules, devices))]
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self._steps = itertools.count()
+
+    @property
+    def infos(self) -> list[StageInfo]:
+        return [stage.info() for stage in self.stages]
+
+    def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+        batches = microbatch.scatter(value, self.chunks)
+        m, grad = len(batches), torch.is_grad_enabled()
+        meta = StepMeta(step=next(self._steps), chunks=m,
+                        checkpoint_stop=checkpoint_stop(self.checkpoint, m, enabled=training and grad),
+                        grad_enabled=grad, deliver_to=None, timeout=0.0)
+        values: list[TensorOrTensors] = list(batches)
+        for tick in clock_cycles(m, len(self.stages)):
+            for i, j in tick:
+                values[i], _ = self.stages[j].run(meta, i, values[i], None)
+        return rpc.RRef(microbatch.gather(values))
+
+    def events(self, clear: bool) -> list[Event]:
+        return [e for stage in self.stages for e in stage.recorder.snapshot(clear)]

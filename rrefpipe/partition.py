@@ -1,0 +1,96 @@
+"""Checking a Pipe's arguments and cutting an ``nn.Sequential`` into stages (pure, no RPC)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .schedule import CHECKPOINT_MODES
+
+__all__ = ["verify_module", "check_chunks", "check_checkpoint", "check_balance", "uniform_balance",
+           "balance_by_placement", "split_module", "module_device"]
+
+
+def verify_module(module: object) -> None:
+    """Pipe wraps a non-empty ``nn.Sequential`` whose children are distinct modules."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"Pipe expects an nn.Sequential module, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("Pipe expects a non-empty nn.Sequential, got one with no layers")
+    seen: dict[int, str] = {}
+    for name, child in module._modules.items():  # named_children() would hide the duplicates
+        if id(child) in seen:
+            raise ValueError(
+                f"module with duplicate children is not supported: layers {seen[id(child)]!r} and {name!r} "
+                "are the same module object; use separate instances"
+            )
+        seen[id(child)] = name
+
+
+def check_chunks(chunks: object) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    return chunks
+
+
+def check_checkpoint(checkpoint: object) -> str:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+    return str(checkpoint)
+
+
+def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:
+    """A balance is a list of positive layer counts per stage summing to the number of layers."""
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence) or not balance:
+        raise ValueError(f"balance must be a non-empty list of layer counts per stage, got {balance!r}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in balance):
+        raise ValueError(f"balance entries must be positive ints (no empty stages), got {list(balance)}")
+    if sum(balance) != num_layers:
+        raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but the module has {num_layers} layers")
+    return list(balance)
+
+
+def uniform_balance(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts as even as possible, earlier stages taking the remainder."""
+    if num_stages > num_layers:
+        raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages: more stages than layers")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if j < extra else 0) for j in range(num_stages)]
+
+
+def module_device(module: nn.Module, where: str) -> torch.device | None:
+    """The one device holding ``module``'s parameters and buffers (None when it has none)."""
+    devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{where} has parameters on several devices ({names}); all of one stage must be on one device")
+    return next(iter(devices), None)
+
+
+def balance_by_placement(module: nn.Sequential) -> tuple[list[int], list[torch.device]]:
+    """PyTorch-1.8 style: consecutive layers on the same device form one stage."""
+    balance: list[int] = []
+    devices: list[torch.device] = []
+    for name, layer in module.named_children():
+        device = module_device(layer, f"layer {name!r}")
+        if device is None or (devices and device == devices[-1]):
+            if not balance:
+                balance.append(0)
+                devices.append(torch.device("cpu") if device is None else device)
+            balance[-1] += 1
+        else:
+            balance.append(1)
+            devices.append(device)
+    return balance, devices
+
+
+def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut into stages that keep the layers' names, so state_dict keys match the whole module."""
+    items = list(module.named_children())
+    stages, start = [], 0
+    for count in balance:
+        stages.append(nn.Sequential(OrderedDict(items[start:start + count])))
+        start += count
+    return stages

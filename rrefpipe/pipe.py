@@ -1,0 +1,287 @@
+"""The public ``Pipe``: argument checks, stage placement, and the user-facing methods."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor, nn
+
+from . import _rpc
+from .driver import RemoteDriver
+from .local import LocalDriver
+from .microbatch import TensorOrTensors
+from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
+                        split_module, uniform_balance, verify_module)
+from .server import StageSpec
+from .stage import StageInfo
+from .trace import Event
+
+__all__ = ["Pipe"]
+
+DEFAULT_RPC_TIMEOUT = 120.0
+StageFactory = Callable[[], nn.Module]
+
+
+class Pipe(nn.Module):
+    """Wrap an ``nn.Sequential`` for synchronous (GPipe) pipeline-parallel training over RPC workers.
+
+    Each stage runs on its own RPC worker process with its partition on its device; micro-batches
+    pass worker to worker. Where the stages run:
+
+    * RPC not initialised (the default): rrefpipe starts one local worker per stage on 127.0.0.1 and
+      stops them on :meth:`close`, on ``with`` exit, or at interpreter exit.
+    * RPC initialised with several workers (e.g. under ``torchrun``): stages go to ``workers`` (names),
+      by default to the other workers of the group in rank order.
+    * RPC initialised with world size 1 (PyTorch 1.8 style): stages follow the modules' devices and run
+      in this process; the output's ``loss.backward()`` works as for any module.
+
+    Args:
+        module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
+        chunks: number of micro-batches per mini-batch (the input is split along dim 0).
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
+            their forward in backward instead of keeping activations.
+        deferred_batch_norm: not available yet (see the issue on skip connections and batch norm).
+        balance: layers per stage, e.g. ``[2, 3]``; by default stages follow the layers' devices.
+        workers: names of existing RPC workers, one per stage.
+        devices: device per stage (``"cpu"``, ``"cuda:1"``); by default where the layers are.
+        remote_output: keep the output on the last stage's worker; ``forward`` then returns a
+            remote RRef (``.to_here()`` fetches it).
+        rpc_timeout: seconds each RPC may take before the step fails (a dead worker fails at once).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        *,
+        balance: Sequence[int] | None = None,
+        workers: Sequence[str] | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        remote_output: bool = False,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        verify_module(module)
+        self._configure(chunks, checkpoint, deferred_batch_norm, remote_output, rpc_timeout)
+        if balance is not None:
+            balance = check_balance(balance, len(module))
+            stage_devices = _devices(devices, len(balance)) or [
+                module_device(m, f"stage {j}") or torch.device("cpu") for j, m in enumerate(split_module(module, balance))]
+        elif devices is not None:
+            stage_devices = _devices(devices, None)
+            balance = uniform_balance(len(module), len(stage_devices))
+        else:
+            balance, stage_devices = balance_by_placement(module)
+        stages = split_module(module, balance)
+        for j, stage in enumerate(stages):
+            module_device(stage, f"stage {j}")
+        self.balance = list(balance)
+        if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
+            if workers:
+                raise ValueError(f"workers {list(workers)} named, but this RPC group has only this process")
+            self.partitions = nn.ModuleList(stages)
+            self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
+                                                                   checkpoint=self.checkpoint)
+        else:
+            specs = [_spec(j, len(stages), _on_cpu(stage), None, stage_devices[j]) for j, stage in enumerate(stages)]
+            self._driver = self._place(specs, workers, stage_devices)
+
+    @classmethod
+    def from_factories(
+        cls,
+        factories: Sequence[StageFactory],
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        *,
+        workers: Sequence[str] | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        remote_output: bool = False,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    ) -> Pipe:
+        """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
+
+        The weights never exist on the driver. Factories must be importable by the workers (module-level
+        functions or ``functools.partial`` of them, not lambdas). State-dict keys are those of the
+        ``nn.Sequential`` that concatenates the stages' layers.
+        """
+        if not factories or not all(callable(f) for f in factories):
+            raise TypeError("from_factories expects a non-empty list of callables, one per stage")
+        pipe = cls.__new__(cls)
+        nn.Module.__init__(pipe)
+        pipe._configure(chunks, checkpoint, False, remote_output, rpc_timeout)
+        stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
+        specs = [_spec(j, len(factories), None, f, stage_devices[j]) for j, f in enumerate(factories)]
+        pipe._driver = pipe._place(specs, workers, stage_devices)
+        pipe.balance = [len(info.layers) for info in pipe._driver.infos]
+        return pipe
+
+    def _configure(self, chunks: int, checkpoint: str, deferred_batch_norm: bool, remote_output: bool,
+                   rpc_timeout: float) -> None:
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
+        if deferred_batch_norm:
+            raise NotImplementedError("deferred_batch_norm=True is not implemented yet")
+        if rpc_timeout <= 0:
+            raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
+        self.remote_output = remote_output
+        self.rpc_timeout = float(rpc_timeout)
+        self._local_workers: Any = None
+
+    def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
+               devices: Sequence[torch.device]) -> RemoteDriver:
+        n = len(specs)
+        if not _rpc.is_initialized():
+            if workers:
+                raise ValueError(f"workers {list(workers)} named, but RPC is not initialised: call rpc.init_rpc "
+                                 "(or launch with torchrun) first, or leave workers out to start local ones")
+            from workers import LocalWorkers
+
+            local = LocalWorkers(n, devices=[str(d) for d in devices] if any(d.type == "cuda" for d in devices)
+                                 else None, rpc_timeout=self.rpc_timeout).start()
+            self._local_workers, workers = local, local.names
+        else:
+            known = [w for w in _rpc.worker_names() if w != _rpc.self_name()]
+            if workers is None:
+                if len(known) < n:
+                    raise ValueError(f"{n} stages need {n} workers, but the RPC group has {len(known)} besides this "
+                                     f"process: {known}")
+                workers = known[:n]
+            unknown = [w for w in workers if w not in known]
+            if unknown:
+                raise ValueError(f"unknown worker names {unknown}; the RPC group has {known}")
+        if len(workers) != n:
+            raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
+        for spec in specs:
+            spec.next_worker = workers[spec.index + 1] if spec.index + 1 < n else None
+        try:
+            return RemoteDriver(specs, workers, chunks=self.chunks, checkpoint=self.checkpoint,
+                                remote_output=self.remote_output, rpc_timeout=self.rpc_timeout)
+        except BaseException:
+            self._stop_local_workers()
+            raise
+
+    # -- running -----------------------------------------------------------------------------------
+    def forward(self, input: TensorOrTensors) -> rpc.RRef:  # noqa: A002 (the documented name)
+        """Run one mini-batch through the pipeline; returns an ``RRef`` to the output.
+
+        The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
+        where it stays on the last stage's worker (``.to_here()``). Train under
+        ``dist_autograd.context()`` and call ``dist_autograd.backward(ctx, [loss])``.
+        """
+        return self._driver.forward(input, training=self.training)
+
+    def train(self, mode: bool = True) -> Pipe:
+        super().train(mode)
+        if isinstance(self._driver, RemoteDriver):
+            self._driver.set_training(mode)
+        return self
+
+    def parameter_rrefs(self) -> list[rpc.RRef]:
+        """RRefs to every stage parameter, for ``torch.distributed.optim.DistributedOptimizer``."""
+        if isinstance(self._driver, LocalDriver):
+            return [rpc.RRef(p) for p in self.parameters()]
+        return self._driver.parameter_rrefs()
+
+    @property
+    def stages(self) -> list[StageInfo]:
+        """Which layers, worker and device each stage has."""
+        return list(self._driver.infos)
+
+    def execution_record(self, clear: bool = False) -> list[Event]:
+        """Every stage's forward/recompute/backward spans, oldest first (``clear`` empties the record)."""
+        return sorted(self._driver.events(clear), key=lambda e: (e.start, e.stage))
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]
+        """The whole model's state, keyed as in the plain ``nn.Sequential`` (tensors on the CPU)."""
+        if isinstance(self._driver, LocalDriver):
+            return OrderedDict((k, v) for stage in self._driver.stages for k, v in stage.module.state_dict().items())
+        return OrderedDict(self._driver.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Scatter a plain-module state dict to the stages that own each layer."""
+        owner = {layer.split(":")[0]: j for j, info in enumerate(self.stages) for layer in info.layers}
+        parts: list[dict[str, Tensor]] = [{} for _ in self.stages]
+        unexpected = []
+        for key, value in state_dict.items():
+            j = owner.get(key.split(".", 1)[0])
+            if j is None:
+                unexpected.append(key)
+            else:
+                parts[j][key] = value
+        if unexpected and strict:
+            raise KeyError(f"unexpected keys in state_dict (no stage has these layers): {unexpected}")
+        if isinstance(self._driver, LocalDriver):
+            for stage, part in zip(self._driver.stages, parts):
+                stage.module.load_state_dict(part, strict=strict)
+        else:
+            self._driver.load_state_dict(parts)
+        return None
+
+    # -- life cycle ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the stages from their workers; stop the workers rrefpipe started itself."""
+        driver = getattr(self, "_driver", None)
+        if isinstance(driver, RemoteDriver):
+            driver.close()
+        self._stop_local_workers()
+
+    def _stop_local_workers(self) -> None:
+        if self._local_workers is not None:
+            self._local_workers.close()
+            self._local_workers = None
+
+    def __enter__(self) -> Pipe:
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __iter__(self) -> Iterator[StageInfo]:
+        return iter(self.stages)
+
+    def extra_repr(self) -> str:
+        return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))
+
+
+def _devices(devices: Sequence[str | torch.device] | None, count: int | None) -> list[torch.device] | None:
+    if devices is None:
+        return None
+    out = []
+    for d in devices:
+        try:
+            out.append(torch.device(d))
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"invalid device {d!r}: {exc}") from None
+    if count is not None and len(out) != count:
+        raise ValueError(f"{len(out)} devices given for {count} stages")
+    for d in out:
+        if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+            raise ValueError(f"device {d} does not exist here ({torch.cuda.device_count()} CUDA devices)")
+    return out
+
+
+def _on_cpu(stage: nn.Sequential) -> nn.Sequential:
+    """A copy that pickles without CUDA tensors (only when the stage is not on the CPU already)."""
+    device = module_device(stage, "stage")
+    return stage if device is None or device.type == "cpu" else copy.deepcopy(stage).cpu()
+
+
+def _spec(j: int, n: int, module: nn.Sequential | None, factory: StageFactory | None,
+          device: torch.device) -> StageSpec:
+    return StageSpec(index=j, num_stages=n, module=module, factory=factory, device=str(device), next_worker=None,
+                     send_device="cpu" if j == n - 1 and device.type != "cpu" else None)

@@ -1,0 +1,47 @@
+"""Shared fixtures: one set of local stage workers for the multi-process tests, and a script runner."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Stage workers must import the test layers: put the repo root on their path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[object]:
+    """Three local stage workers, with this pytest process as the driver, for the whole session."""
+    from workers import LocalWorkers
+
+    workers = LocalWorkers(3, threads=1).start()
+    pids = workers.pids
+    try:
+        yield workers
+    finally:
+        workers.close()
+    assert not [pid for pid in pids if pid_alive(pid)], "stage workers outlived the session"
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def run_script(code: str, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (its own RPC state); fail with its output when it fails."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        pytest.fail(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc

@@ -1,0 +1,72 @@
+"""Pipelined == plain nn.Sequential: outputs, every parameter's gradient and the input's gradient."""
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from rrefpipe import Pipe
+from tests.layers import Merge, Split, mlp, twin
+
+pytestmark = pytest.mark.timeout(120)
+
+BALANCES = {1: [7], 2: [3, 4], 3: [2, 3, 2]}
+
+
+
+def check_transparent(pipe, model, x):
+    reference = twin(model)
+    x_ref = x.detach().clone().requires_grad_()
+    out_ref = reference(x_ref)
+    loss_ref = (out_ref * torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)).sum()
+    loss_ref.backward()
+    with dist_autograd.context() as ctx:
+        out = pipe(x).local_value()
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+        dist_autograd.backward(ctx, [loss])
+        x_grad = dist_autograd.get_gradients(ctx)[x]
+        grads = pipe_grads(pipe, ctx)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(x_grad, x_ref.grad)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], msg=lambda m: f"{name}: {m}")
+
+
+def pipe_grads(pipe, ctx):
+    """Each stage parameter's gradient in ``ctx``, keyed by its name in the plain model."""
+    from tests.dist.grads import stage_gradients
+
+    return stage_gradients(pipe, ctx)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_outputs_and_gradients_match_plain_model(cluster, stages, checkpoint, chunks):
+    model = mlp([5, 8, 8, 6, 3])  # 7 layers
+    x = torch.randn(8, 5, requires_grad=True)
+    with Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=BALANCES[stages],
+              workers=cluster.names[:stages]) as pipe:
+        check_transparent(pipe, model, x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_tuple_boundaries_between_workers(cluster, checkpoint):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), Split(), Merge(), torch.nn.Linear(6, 2))
+    x = torch.randn(6, 4, requires_grad=True)
+    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 1, 1], workers=cluster.names) as pipe:
+        check_transparent(pipe, model, x)
+
+
+def test_tuple_input_and_output(cluster):
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(Merge(), torch.nn.Linear(6, 4), Split())
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    with Pipe(model, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
+        with torch.no_grad():
+            out = pipe((a, b)).local_value()
+    ref = model((a, b))
+    assert isinstance(out, tuple) and len(out) == 2
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want)

@@ -1,0 +1,42 @@
+import pytest
+import torch
+from torch import nn
+
+from rrefpipe.stage import Stage, StepMeta
+
+
+def _meta(grad: bool, stop: int) -> StepMeta:
+    return StepMeta(step=0, chunks=2, checkpoint_stop=stop, grad_enabled=grad, deliver_to=None, timeout=1.0)
+
+
+def _stage() -> Stage:
+    torch.manual_seed(0)
+    return Stage(0, nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.device("cpu"), "here")
+
+
+@pytest.mark.parametrize("stop, recomputes", [(2, 1), (0, 0)])
+def test_checkpointed_microbatch_is_recomputed_in_backward(stop, recomputes):
+    stage = _stage()
+    x = torch.randn(3, 4, requires_grad=True)
+    out, _ = stage.run(_meta(True, stop), 0, x, None)
+    out.sum().backward()
+    kinds = [e.kind for e in stage.recorder.snapshot()]
+    assert kinds.count("forward") == 1 and kinds.count("recompute") == recomputes
+    assert kinds.count("backward") == 1
+    ref = x.detach().clone().requires_grad_()
+    stage.module(ref).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_without_grad_no_autograd_state_is_kept():
+    stage = _stage()
+    out, phony = stage.run(_meta(False, 2), 0, torch.randn(2, 4, requires_grad=True), None)
+    assert out.grad_fn is None and phony is None
+    assert [e.kind for e in stage.recorder.snapshot()] == ["forward"]
+
+
+def test_non_tensor_output_names_the_stage():
+    stage = Stage(3, nn.Sequential(nn.Flatten(0), nn.Module()), torch.device("cpu"), "here")
+    stage.module[1].forward = lambda x: "nope"  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="output of stage 3 .* got str"):
+        stage.run(_meta(True, 0), 0, torch.randn(2, 2), None)

@@ -1,0 +1,37 @@
+import pytest
+
+from workers.__main__ import parse_args
+from workers.options import backend_options, parse_device_map
+
+
+def test_rank_and_master_come_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    args = parse_args([])
+    assert (args.rank, args.world_size, args.master_addr, args.master_port) == (2, 4, "10.0.0.1", 29500)
+
+
+def test_flags_override_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    args = parse_args(["--rank", "1", "--world-size", "2", "--master-port", "1234", "--name", "s1"])
+    assert (args.rank, args.name) == (1, "s1")
+
+
+def test_missing_rank_is_an_error(monkeypatch, capsys):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "--rank is required" in capsys.readouterr().err
+
+
+def test_device_maps_parse_and_reach_the_options():
+    maps = parse_device_map(["worker2=cuda:0>cuda:1", "worker2=cuda:1>cuda:0", "driver=cpu>cpu"])
+    assert maps == {"worker2": {"cuda:0": "cuda:1", "cuda:1": "cuda:0"}, "driver": {"cpu": "cpu"}}
+    options = backend_options(device_maps={"worker2": {"cpu": "cpu"}}, transports=["uv"], rpc_timeout=7)
+    assert options.rpc_timeout == 7
+    assert "worker2" in options.device_maps
+    with pytest.raises(ValueError, match="PEER=SRC>DST"):
+        parse_device_map(["worker2:cuda:0"])

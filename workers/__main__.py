@@ -1,0 +1,68 @@
+"""``python -m workers``: run one stage worker.
+
+Rank, world size and the master's address come from the flags or from the environment ``torchrun``
+sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same worker runs on any host.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, parse_device_map
+from .serve import serve
+
+__all__ = ["main", "parse_args"]
+
+
+def _env_int(key: str) -> int | None:
+    value = os.environ.get(key)
+    return int(value) if value is not None else None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workers", description="Serve rrefpipe stages as an RPC worker.")
+    p.add_argument("--rank", type=int, default=_env_int("RANK"), help="rank in the RPC group (env RANK)")
+    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"), help="group size (env WORLD_SIZE)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="rendezvous address (env MASTER_ADDR; default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"), help="rendezvous port (env MASTER_PORT)")
+    p.add_argument("--name", help="worker name (default worker<rank>)")
+    p.add_argument("--driver", default="driver", help="name of the driver to watch (default: driver)")
+    p.add_argument("--interface", help="network interface to bind and advertise (sets TP_SOCKET_IFNAME and "
+                   "GLOO_SOCKET_IFNAME); default: loopback when the master is local")
+    p.add_argument("--threads", type=int, help="intra-op threads for this worker (torch.set_num_threads)")
+    p.add_argument("--num-worker-threads", type=int, default=16, help="RPC thread pool size")
+    p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT, help="seconds per RPC")
+    p.add_argument("--transport", action="append", help="TensorPipe transport (repeatable; default uv)")
+    p.add_argument("--channel", action="append", help="TensorPipe channel (repeatable; default: TensorPipe's choice)")
+    p.add_argument("--device", action="append", help="a device this worker uses (repeatable, e.g. cuda:0)")
+    p.add_argument("--device-map", action="append", default=[], metavar="PEER=SRC>DST",
+                   help="send tensors on SRC to PEER's DST device, e.g. worker2=cuda:0>cuda:1 (repeatable)")
+    p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (used by local launching)")
+    args = p.parse_args(argv)
+    for key in ("rank", "world_size", "master_port"):
+        if getattr(args, key) is None:
+            p.error(f"--{key.replace('_', '-')} is required (or set {key.upper()} as torchrun does)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    interface = args.interface or ("lo" if args.master_addr.startswith("127.") or args.master_addr == "localhost" else None)
+    if interface:
+        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    options = backend_options(
+        num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout,
+        transports=args.transport or LOCAL_TRANSPORTS,
+        channels=args.channel, devices=args.device, device_maps=parse_device_map(args.device_map),
+    )
+    serve(name=args.name or f"worker{args.rank}", rank=args.rank, world_size=args.world_size, options=options,
+          driver=args.driver, watch_stdin=args.watch_stdin, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

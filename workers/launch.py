@@ -1,0 +1,171 @@
+"""Local stage workers: child processes on this host, on loopback, with this process as the driver.
+
+This is rrefpipe's embedded default. The children are ``python -m workers`` processes, so they are
+the same workers ``torchrun`` would start on other hosts. They die with their driver: each watches
+its stdin pipe (closed by the kernel when the driver exits, however it exits) and pings the driver.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+import torch.distributed.rpc as rpc
+
+from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options
+
+__all__ = ["LocalWorkers", "free_port"]
+
+_live: set[LocalWorkers] = set()
+_live_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalWorkers:
+    """Start ``num_workers`` stage workers on this host and join their RPC group as the driver.
+
+    ``devices`` (one per worker, e.g. ``["cuda:0", "cuda:1"]``) sets each worker's TensorPipe device
+    map so that worker k sends its device's tensors straight to worker k+1's device. Everything binds
+    to 127.0.0.1: RPC unpickles what peers send, so the group is reachable from this host only.
+
+    Use as a context manager, or call :meth:`close`; workers are also stopped at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        devices: Sequence[str] | None = None,
+        threads: int | None = None,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        startup_timeout: float = 60.0,
+        transports: Sequence[str] = LOCAL_TRANSPORTS,
+        driver_name: str = "driver",
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if devices is not None and len(devices) != num_workers:
+            raise ValueError(f"devices has {len(devices)} entries for {num_workers} workers")
+        self.num_workers = num_workers
+        self.driver_name = driver_name
+        self.names = [f"worker{k}" for k in range(1, num_workers + 1)]
+        self.devices = list(devices) if devices is not None else None
+        self.threads = threads or max(1, (os.cpu_count() or 1) // num_workers)
+        self.rpc_timeout = rpc_timeout
+        self.startup_timeout = startup_timeout
+        self.transports = list(transports)
+        self.refs = 0
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._started = False
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> LocalWorkers:
+        from rrefpipe import _rpc  # the only place the launcher touches rpc internals
+
+        if _rpc.is_initialized():
+            raise RuntimeError("RPC is already initialised in this process: close the other pipe or LocalWorkers "
+                               "first, or name its workers with Pipe(..., workers=[...])")
+        port = free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
+        world = self.num_workers + 1
+        for rank, name in enumerate(self.names, start=1):
+            cmd = [sys.executable, "-m", "workers", "--rank", str(rank), "--world-size", str(world),
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--name", name,
+                   "--driver", self.driver_name, "--threads", str(self.threads), "--watch-stdin",
+                   "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo"]
+            for transport in self.transports:
+                cmd += ["--transport", transport]
+            cmd += self._device_args(rank - 1)
+            self._procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env))
+        with _live_lock:
+            _live.add(self)
+        saved = {k: os.environ.get(k) for k in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+        os.environ.update(TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+        try:
+            _rpc.prepare_reinit()
+            options = backend_options(rpc_timeout=self.startup_timeout, init_method=init_method,
+                                      transports=self.transports)
+            rpc.init_rpc(self.driver_name, rank=0, world_size=world, rpc_backend_options=options)
+            rpc._set_rpc_timeout(self.rpc_timeout)
+        except BaseException as exc:
+            dead = {name: p.returncode for name, p in zip(self.names, self._procs) if p.poll() is not None}
+            self._reap()
+            detail = f" (workers that exited: {dead})" if dead else ""
+            raise RuntimeError(f"could not start {self.num_workers} local stage workers{detail}: {exc}") from exc
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self._started = True
+        return self
+
+    def _device_args(self, k: int) -> list[str]:
+        if self.devices is None:
+            return []
+        args = ["--device", self.devices[k]]
+        if k + 1 < self.num_workers:
+            args += ["--device-map", f"{self.names[k + 1]}={self.devices[k]}>{self.devices[k + 1]}"]
+        return args
+
+    def close(self) -> None:
+        """Stop the workers and leave the RPC group; returns promptly even if a worker is dead."""
+        if self._started:
+            self._started = False
+            # The driver leaves first; closing the stdin pipes then tells each child to go.
+            rpc.shutdown(graceful=False)
+        self._reap()
+
+    def _reap(self, timeout: float = 10.0) -> None:
+        for proc in self._procs:
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+        with _live_lock:
+            _live.discard(self)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def running(self) -> bool:
+        return self._started
+
+    def __enter__(self) -> LocalWorkers:
+        return self if self._started else self.start()
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    with _live_lock:
+        live = list(_live)
+    for workers in live:
+        workers.close()

@@ -1,0 +1,62 @@
+"""TensorPipe backend options, built in one place for the driver and every stage worker."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+
+__all__ = ["DEFAULT_RPC_TIMEOUT", "LOCAL_TRANSPORTS", "backend_options", "parse_device_map"]
+
+#: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
+DEFAULT_RPC_TIMEOUT = 120.0
+
+#: Transports for processes on one host. The shared-memory transport busy-polls about half a core per
+#: idle process (RPC_FACTS), which on a small machine steals the stages' compute; "uv" (TCP) idles at 0%.
+LOCAL_TRANSPORTS: tuple[str, ...] = ("uv",)
+
+DeviceMap = Mapping[str, Mapping[str, str]]
+
+
+def backend_options(
+    *,
+    num_worker_threads: int = 16,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    init_method: str | None = None,
+    device_maps: DeviceMap | None = None,
+    devices: Sequence[str] | None = None,
+    transports: Sequence[str] | None = LOCAL_TRANSPORTS,
+    channels: Sequence[str] | None = None,
+) -> rpc.TensorPipeRpcBackendOptions:
+    """Options for ``rpc.init_rpc``.
+
+    ``device_maps`` is ``{peer_name: {"cuda:0": "cuda:1"}}``: tensors this worker sends to ``peer`` on
+    the source device arrive on the target device, GPU to GPU. ``transports=None`` lets TensorPipe pick
+    (shared memory first, then TCP); ``channels=["basic"]`` forces tensors through the transport (CMA
+    copies between processes' memory directly, bypassing the network).
+    """
+    kwargs: dict[str, object] = {"num_worker_threads": num_worker_threads, "rpc_timeout": rpc_timeout}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if transports is not None:
+        kwargs["_transports"] = list(transports)
+    if channels is not None:
+        kwargs["_channels"] = list(channels)
+    if devices is not None:
+        kwargs["devices"] = [torch.device(d) for d in devices]
+    options = rpc.TensorPipeRpcBackendOptions(**kwargs)  # type: ignore[arg-type]
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, {torch.device(k): torch.device(v) for k, v in mapping.items()})
+    return options
+
+
+def parse_device_map(entries: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Parse ``PEER=SRC>DST`` entries (e.g. ``worker2=cuda:0>cuda:1``) into ``backend_options`` form."""
+    maps: dict[str, dict[str, str]] = {}
+    for entry in entries:
+        peer, sep, pair = entry.partition("=")
+        src, arrow, dst = pair.partition(">")
+        if not (sep and arrow and peer and src and dst):
+            raise ValueError(f"device map entry must look like PEER=SRC>DST (e.g. worker2=cuda:0>cuda:1), got {entry!r}")
+        maps.setdefault(peer, {})[src] = dst
+    return maps
