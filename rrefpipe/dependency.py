@@ -32,22 +32,22 @@ def new_phony(requires_grad: bool = True) -> Tensor:
 
 class _Fork(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor) -> tuple[Tensor, Tensor]:
         return tensor.detach(), torch.empty(0)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> Tensor:
         return grad
 
 
 class _Join(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor, phony: Tensor) -> Tensor:
         ctx.phony_device = phony.device
         return tensor.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         return grad, torch.empty(0, device=ctx.phony_device)
 
 
@@ -55,14 +55,14 @@ class _Marker(torch.autograd.Function):
     """Identity on its tensor inputs; calls ``callback`` when its backward runs."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.callback = callback
         outputs = tuple(t.detach() for t in tensors)
         ctx.mark_non_differentiable(*(o for o, t in zip(outputs, tensors) if not t.requires_grad))
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
 

@@ -60,4 +60,4 @@ def gather(outputs: list[TensorOrTensors]) -> TensorOrTensors:
     first = outputs[0]
     if isinstance(first, Tensor):
         return torch.cat(outputs, dim=0)  # type: ignore[arg-type]
-    return tuple(torch.cat([out[k] for out in outputs], dim=0) for k in range(len(first)))  # type: ignore[index]
+    return tuple(torch.cat([out[k] for out in outputs], dim=0) for k in range(len(first)))

@@ -79,7 +79,7 @@ class Pipe(nn.Module):
             stage_devices = _devices(devices, len(balance)) or [
                 module_device(m, f"stage {j}") or torch.device("cpu") for j, m in enumerate(split_module(module, balance))]
         elif devices is not None:
-            stage_devices = _devices(devices, None)
+            stage_devices = _devices(devices, None) or []
             balance = uniform_balance(len(module), len(stage_devices))
         else:
             balance, stage_devices = balance_by_placement(module)

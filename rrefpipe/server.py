@@ -129,7 +129,7 @@ class StageServer:
 
     def _push(self, job: _Job, out: TensorOrTensors, phony: Tensor | None) -> None:
         if self.spec.send_device is not None:
-            out = microbatch.apply(lambda t: t.to(self.spec.send_device), out)  # type: ignore[arg-type]
+            out = microbatch.apply(lambda t: t.to(self.spec.send_device), out)
         if self.is_last:
             target, stage = job.meta.deliver_to, None
             fn: Any = _driver_deliver
@@ -140,20 +140,22 @@ class StageServer:
             args = (self.pipe_id, stage, job.meta, job.i, out, phony)
         assert target is not None
         # A failed send names the receiving worker: it is the one that died, hung or could not unpickle.
-        blame = {"stage": self.spec.index if stage is None else stage, "worker": target, "microbatch": job.i,
-                 "phase": f"forward (receiving from stage {self.spec.index} on worker {self.stage.worker!r})",
-                 "transport": True}
+        def blame(exc: BaseException) -> Failure:
+            return Failure.capture(exc, stage=self.spec.index if stage is None else stage, worker=target,
+                                   microbatch=job.i, transport=True,
+                                   phase=f"forward (receiving from stage {self.spec.index} on worker {self.stage.worker!r})")
+
         try:
             sent = rpc.rpc_async(target, fn, args=args, timeout=job.meta.timeout)
         except Exception as exc:
-            job.future.set_result(Failure.capture(exc, **blame))
+            job.future.set_result(blame(exc))
             return
 
         def relay(done: Future[Any]) -> None:
             try:
                 status = done.value()
             except Exception as exc:
-                status = Failure.capture(exc, **blame)
+                status = blame(exc)
             job.future.set_result(status)
 
         sent.add_done_callback(relay)

@@ -101,7 +101,7 @@ class Stage:
             kind = "forward" if calls == 0 else "recompute"
             calls += 1
             with self.recorder.span(kind, step, i):
-                return self.module(value)  # type: ignore[no-any-return]
+                return self.module(value)
 
         return run
 

@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["serve", "request_stop", "alive"]
+__all__ = ["serve", "request_stop", "alive", "stop_workers"]
 
 log = logging.getLogger("rrefpipe.workers")
 _stop = threading.Event()
@@ -71,3 +71,19 @@ def serve(
                 break
     rpc.shutdown(graceful=False)
     os._exit(0)  # TensorPipe threads can outlive shutdown; nothing else is left to flush
+
+
+def stop_workers(names: list[str], timeout: float = 2.0) -> None:
+    """From a driver: ask ``names`` to leave, then leave the group non-gracefully (never hangs)."""
+    futures = []
+    for name in names:
+        try:
+            futures.append(rpc.rpc_async(name, request_stop, timeout=timeout))
+        except Exception:
+            pass
+    for future in futures:
+        try:
+            future.wait()
+        except Exception:
+            pass  # a worker that is already gone counts as stopped
+    rpc.shutdown(graceful=False)

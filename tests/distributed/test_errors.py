@@ -1,0 +1,58 @@
+"""A stage that raises: the caller learns stage, worker, micro-batch and cause; the pipe stays usable."""
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from rrefpipe import Pipe, StageError
+from tests.layers import SENTINEL, Boom, ToDict
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), Boom(), nn.Linear(4, 2))
+    with Pipe(model, chunks=4, balance=[1, 2, 1], workers=cluster.names) as pipe:
+        x = torch.zeros(8, 4)
+        bad = x.clone()
+        bad[4:6] = SENTINEL  # micro-batch 2; an identity first layer passes the sentinel on to Boom
+        state = {"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "3.weight": torch.ones(2, 4), "3.bias": torch.zeros(2)}
+        pipe.load_state_dict(state)
+        model.load_state_dict(state)
+        with dist_autograd.context():
+            with pytest.raises(StageError) as info:
+                pipe(bad)
+        err = info.value
+        assert (err.stage, err.worker, err.microbatch, err.error_type) == (1, "worker2", 2, "ValueError")
+        assert "stage 1 on worker 'worker2', micro-batch 2 failed in forward: ValueError: boom" in str(err)
+        assert isinstance(err.__cause__, ValueError)
+        assert "Boom" in err.remote_traceback or "boom" in err.remote_traceback
+        # the same pipe keeps working, and later micro-batches of the failed step were not run
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        ran = {e.microbatch for e in pipe.execution_record() if e.stage == 2 and e.step == 0}
+        assert ran == {0, 1}
+
+
+def test_non_tensor_stage_output_is_a_type_error_naming_the_stage(cluster):
+    model = nn.Sequential(nn.Linear(4, 4), ToDict(), nn.Identity())
+    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names) as pipe:
+        with pytest.raises(StageError, match="stage 1 .* TypeError: output of stage 1 must be a Tensor"):
+            with torch.no_grad():
+                pipe(torch.randn(4, 4))
+
+
+def test_non_tensor_input_raises_type_error_before_any_rpc(cluster):
+    with Pipe(nn.Sequential(nn.Linear(2, 2)), workers=cluster.names[:1], balance=[1]) as pipe:
+        with pytest.raises(TypeError, match="Pipe input must be a Tensor"):
+            pipe([1, 2, 3])
+
+
+def test_bad_worker_names_and_stage_counts(cluster):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"unknown worker names \['nope'\]"):
+        Pipe(model, balance=[1, 1], workers=["worker1", "nope"])
+    with pytest.raises(ValueError, match="3 workers named for 2 stages"):
+        Pipe(model, balance=[1, 1], workers=cluster.names)
+    with pytest.raises(ValueError, match="more stages than layers"):
+        Pipe(model, devices=["cpu", "cpu", "cpu"])

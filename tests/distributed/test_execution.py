@@ -1,0 +1,128 @@
+"""What ran where and when: overlap of stages, order within a stage, recomputation, no deadlock."""
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from rrefpipe import Pipe
+from tests.layers import mlp, twin
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _forwards(events, stage):
+    return sorted((e for e in events if e.stage == stage and e.kind == "forward"), key=lambda e: e.start)
+
+
+def test_stages_overlap_and_each_runs_its_microbatches_in_order(cluster):
+    torch.manual_seed(0)
+    # ~30 ms of compute per micro-batch and stage: far longer than a hop (~1 ms), so overlap must show
+    layers = [m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.ReLU())]
+    with Pipe(nn.Sequential(*layers), chunks=8, balance=[6, 6], workers=cluster.names[:2]) as pipe:
+        x = torch.randn(1024, 1024)
+        with torch.no_grad():
+            pipe(x)
+        events = pipe.execution_record()
+    first, second = _forwards(events, 0), _forwards(events, 1)
+    for stage in (first, second):
+        assert [e.microbatch for e in stage] == list(range(8))  # in order
+        assert all(a.end <= b.start for a, b in zip(stage, stage[1:]))  # one at a time
+    # micro-batch i on stage 1 runs while micro-batch i+1 runs on stage 0
+    overlapping = [i for i in range(7) if first[i + 1].start < second[i].end and second[i].start < first[i + 1].end]
+    assert overlapping, f"no overlap between stages:\n{[(e.stage, e.microbatch, e.start, e.end) for e in events]}"
+    assert all(second[i].start >= first[i].end for i in range(8))  # and never before its input exists
+
+
+def test_64_microbatches_through_3_stages_with_default_thread_pool(cluster):
+    model = mlp([4, 8, 8, 4], seed=1)
+    x = torch.randn(128, 4, requires_grad=True)
+    with Pipe(model, chunks=64, balance=[2, 2, 1], workers=cluster.names) as pipe:
+        with dist_autograd.context() as ctx:
+            out = pipe(x).local_value()
+            dist_autograd.backward(ctx, [out.sum()])
+            x_grad = dist_autograd.get_gradients(ctx)[x]
+        events = pipe.execution_record()
+    reference = twin(model)
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).sum().backward()
+    torch.testing.assert_close(x_grad, x_ref.grad)
+    assert sum(e.kind == "forward" for e in events) == 3 * 64
+    assert sum(e.kind == "backward" for e in events) == 3 * 64
+
+
+@pytest.mark.parametrize("checkpoint, recomputed", [("always", 4), ("except_last", 3), ("never", 0)])
+def test_checkpointing_recomputes_the_right_microbatches(cluster, checkpoint, recomputed):
+    model = mlp([4, 8, 4], seed=2)
+    with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [pipe(torch.randn(8, 4)).local_value().sum()])
+        events = pipe.execution_record(clear=True)
+        assert pipe.execution_record() == []
+    for stage in (0, 1):
+        recomputes = sorted(e.microbatch for e in events if e.stage == stage and e.kind == "recompute")
+        assert recomputes == list(range(recomputed))
+        assert sum(e.stage == stage and e.kind == "forward" for e in events) == 4
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad"])
+def test_eval_and_no_grad_keep_no_checkpoint_or_autograd_state(cluster, mode):
+    model = mlp([4, 8, 4], seed=2)
+    with Pipe(model, chunks=4, checkpoint="always", balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        x = torch.randn(8, 4)
+        if mode == "eval":
+            pipe.eval()
+            with dist_autograd.context() as ctx:
+                out = pipe(x).local_value()
+                dist_autograd.backward(ctx, [out.sum()])  # gradients still flow in eval mode
+        else:
+            with dist_autograd.context(), torch.no_grad():
+                out = pipe(x).local_value()
+            assert out.grad_fn is None and not out.requires_grad
+        kinds = {e.kind for e in pipe.execution_record()}
+    assert "recompute" not in kinds
+    assert ("backward" in kinds) == (mode == "eval")
+    torch.testing.assert_close(out, model(x))
+
+
+def test_seed_example(cluster):
+    """The example of PyTorch's Pipe documentation, on CPU stage workers."""
+    fc1, fc2 = nn.Linear(16, 8), nn.Linear(8, 4)
+    model = nn.Sequential(fc1, fc2)
+    with Pipe(model, chunks=8, balance=[1, 1], workers=cluster.names[:2]) as pipe:
+        x = torch.rand(16, 16)
+        output_rref = pipe(x)
+        output = output_rref.local_value()
+        assert output_rref.is_owner()
+        torch.testing.assert_close(output, model(x))
+        torch.testing.assert_close(output_rref.to_here(), output)
+        assert [s.worker for s in pipe.stages] == cluster.names[:2]
+        assert "stage 1: worker 'worker2' on cpu, layers 1: Linear" in str(pipe)
+
+
+def test_remote_output_stays_on_last_worker(cluster):
+    model = mlp([4, 8, 4], seed=5)
+    x = torch.randn(6, 4, requires_grad=True)
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2], remote_output=True) as pipe:
+        with dist_autograd.context() as ctx:
+            rref = pipe(x)
+            assert rref.owner().name == "worker2" and not rref.is_owner()
+            out = rref.to_here()
+            dist_autograd.backward(ctx, [out.sum()])
+            x_grad = dist_autograd.get_gradients(ctx)[x]
+    x_ref = x.detach().clone().requires_grad_()
+    reference = twin(model)
+    torch.testing.assert_close(out, reference(x_ref))
+    reference(x_ref).sum().backward()
+    torch.testing.assert_close(x_grad, x_ref.grad)
+
+
+def test_stages_built_on_workers_from_factories(cluster):
+    from tests.layers import make_head, make_tail
+
+    plain = nn.Sequential(*make_head(), *make_tail())
+    with Pipe.from_factories([make_head, make_tail], chunks=2, workers=cluster.names[:2]) as pipe:
+        assert list(pipe.state_dict()) == list(plain.state_dict())
+        assert [len(s.layers) for s in pipe.stages] == [2, 3]
+        x = torch.randn(4, 5)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), plain(x))

@@ -1,0 +1,82 @@
+"""A real training run through the pipe reaches the same losses as plain PyTorch with the same seed."""
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch.distributed.optim import DistributedOptimizer
+
+from rrefpipe import Pipe
+from tests.layers import mlp, twin
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def blobs(steps: int, batch: int, seed: int = 0):
+    """Four Gaussian clusters in 10-D, a fixed batch sequence."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(4, 10, generator=g) * 2
+    for _ in range(steps):
+        y = torch.randint(0, 4, (batch,), generator=g)
+        yield centres[y] + torch.randn(batch, 10, generator=g), y
+
+
+def test_200_steps_match_plain_training(cluster):
+    model = mlp([10, 32, 32, 4], seed=7)  # 5 layers
+    reference = twin(model)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    plain_losses, pipe_losses = [], []
+    with Pipe(model, chunks=4, balance=[2, 3], workers=cluster.names[:2]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
+        for x, y in blobs(200, 32):
+            with dist_autograd.context() as ctx:
+                loss = F.cross_entropy(pipe(x).local_value(), y)
+                dist_autograd.backward(ctx, [loss])
+                opt.step(ctx)
+            pipe_losses.append(loss.item())
+            plain_opt.zero_grad()
+            plain_loss = F.cross_entropy(reference(x), y)
+            plain_loss.backward()
+            plain_opt.step()
+            plain_losses.append(plain_loss.item())
+        trained = pipe.state_dict()
+    assert pipe_losses[-1] < 0.5 * pipe_losses[0]  # it learned
+    torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(plain_losses), rtol=1e-3, atol=1e-4)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-3, atol=1e-4)
+
+
+def test_gradient_accumulation_over_several_forwards(cluster):
+    """Several forwards in one context, one backward over the summed loss (dist autograd allows one
+    backward per context), then one optimizer step."""
+    model = mlp([10, 16, 4], seed=3)
+    reference = twin(model)
+    batches = list(blobs(3, 12, seed=5))
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        with dist_autograd.context() as ctx:
+            total = sum(F.cross_entropy(pipe(x).local_value(), y) for x, y in batches)
+            dist_autograd.backward(ctx, [total])
+            opt.step(ctx)
+        updated = pipe.state_dict()
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sum(F.cross_entropy(reference(x), y) for x, y in batches).backward()
+    plain_opt.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(updated[key], value)
+
+
+def test_state_dict_round_trip_and_train_eval_reach_workers(cluster):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2))
+    with Pipe(model, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
+        assert list(pipe.state_dict()) == list(model.state_dict())
+        new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        pipe.load_state_dict(new)
+        for key, value in pipe.state_dict().items():
+            torch.testing.assert_close(value, new[key])
+        model.load_state_dict(new)
+        x = torch.randn(6, 4)
+        pipe.eval()  # dropout off on the worker: deterministic and equal to the plain model in eval
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), model.eval()(x))
+        with pytest.raises(KeyError, match="unexpected keys.*9.weight"):
+            pipe.load_state_dict({"9.weight": torch.zeros(1)})

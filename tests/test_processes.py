@@ -1,0 +1,163 @@
+"""Process life cycle, each in a fresh interpreter: embedded workers, dead drivers and workers, the
+PyTorch-1.8 in-process mode, and workers started the way torchrun starts them."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, pid_alive, run_script
+from workers import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wait_gone(pids: list[int], within: float) -> float:
+    """Seconds until every pid is gone; fails after ``within``."""
+    start = time.monotonic()
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() - start > within:
+            pytest.fail(f"processes {[p for p in pids if pid_alive(p)]} still alive after {within}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _values(out: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in out.splitlines() if line.startswith(key + "=")]
+
+
+def test_embedded_workers_start_stop_and_restart_in_one_process():
+    out = run_script("""
+        import torch, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from rrefpipe import Pipe
+        from tests.conftest import pid_alive
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        x = torch.randn(6, 4)
+        for round in range(2):  # a second pipe after the first closed: the RPC group starts again
+            with Pipe(model, chunks=3, balance=[2, 1]) as pipe:
+                assert [s.worker for s in pipe.stages] == ["worker1", "worker2"]
+                pids = pipe._local_workers.pids
+                with dist_autograd.context() as ctx:
+                    out = pipe(x).local_value()
+                    dist_autograd.backward(ctx, [out.sum()])
+                torch.testing.assert_close(out, model(x))
+            print("gone=" + str(not any(pid_alive(p) for p in pids)))
+        pipe = Pipe(model, chunks=2, balance=[1, 2])  # never closed: stopped at interpreter exit
+        print("pids=" + " ".join(map(str, pipe._local_workers.pids)))
+    """).stdout
+    assert _values(out, "gone") == ["True", "True"]
+    _wait_gone([int(p) for p in _values(out, "pids")[0].split()], within=5)
+
+
+def test_workers_exit_when_the_driver_is_killed():
+    script = """
+        import sys, torch
+        from torch import nn
+        from rrefpipe import Pipe
+        pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), balance=[1, 1])
+        pipe(torch.randn(2, 2))
+        print("pids=" + " ".join(map(str, pipe._local_workers.pids)), flush=True)
+        sys.stdin.read()  # hold until killed
+    """
+    import textwrap
+
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = driver.stdout.readline()
+        pids = [int(p) for p in line.split("=", 1)[1].split()]
+        assert all(pid_alive(p) for p in pids)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        took = _wait_gone(pids, within=10)
+        print(f"workers gone {took:.2f}s after the driver was killed")
+    finally:
+        driver.kill()
+
+
+def test_dead_worker_is_named_quickly_and_close_returns():
+    out = run_script("""
+        import os, signal, time, torch, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from rrefpipe import Pipe, WorkerError
+        pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2,
+                    balance=[1, 1, 1], rpc_timeout=30)
+        pipe(torch.randn(4, 2))
+        os.kill(pipe._local_workers.pids[1], signal.SIGKILL)   # worker2 holds stage 1
+        t = time.monotonic()
+        try:
+            with dist_autograd.context():
+                pipe(torch.randn(4, 2))
+        except WorkerError as exc:
+            print(f"error={exc}")
+            print(f"where={exc.stage},{exc.worker}")
+        print(f"surfaced={time.monotonic() - t:.3f}")
+        t = time.monotonic()
+        pipe.close()
+        print(f"closed={time.monotonic() - t:.3f}")
+    """).stdout
+    print(out)
+    assert _values(out, "where") == ["1,worker2"]
+    assert float(_values(out, "surfaced")[0]) < 5
+    assert float(_values(out, "closed")[0]) < 15
+
+
+def test_pytorch_18_style_world_size_one_runs_stages_in_process():
+    run_script("""
+        import copy, os, torch, torch.distributed.rpc as rpc
+        from torch import nn
+        from rrefpipe import Pipe
+        from workers import free_port
+        rpc.init_rpc("solo", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+        ref = copy.deepcopy(model)
+        pipe = Pipe(model, chunks=8, balance=[2, 1], checkpoint="always")
+        assert [s.worker for s in pipe.stages] == ["solo", "solo"]
+        x = torch.rand(16, 16)
+        out = pipe(x).local_value()
+        out.sum().backward()                      # plain autograd, no context needed
+        ref(x).sum().backward()
+        torch.testing.assert_close(out, ref(x))
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        kinds = [e.kind for e in pipe.execution_record()]
+        assert kinds.count("recompute") == 2 * 8, kinds
+        rpc.shutdown()
+    """)
+
+
+def test_worker_cli_under_torchrun_environment():
+    """Workers started as `python -m workers` with RANK/WORLD_SIZE/MASTER_* set, as torchrun would."""
+    port = free_port()
+    env = dict(os.environ, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-m", "workers"], cwd=ROOT, env=dict(env, RANK=str(rank)))
+             for rank in (1, 2)]
+    try:
+        out = run_script(f"""
+            import os, torch, torch.distributed.rpc as rpc
+            from torch import nn
+            from rrefpipe import Pipe
+            from workers import backend_options, stop_workers
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+            rpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=backend_options())
+            model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+            with Pipe(model, chunks=2, balance=[1, 1]) as pipe:   # goes to the group's other workers
+                print("workers=" + ",".join(s.worker for s in pipe.stages))
+                with torch.no_grad():
+                    x = torch.randn(4, 3)
+                    torch.testing.assert_close(pipe(x).local_value(), model(x))
+            stop_workers(["worker1", "worker2"])
+        """).stdout
+        assert _values(out, "workers") == ["worker1,worker2"]
+        for proc in procs:
+            assert proc.wait(timeout=20) == 0
+    finally:
+        for proc in procs:
+            proc.kill()
