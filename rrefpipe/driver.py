@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -22,6 +23,7 @@ from .errors import Failure, StageError
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
+from .skip.layout import route
 from .stage import StageInfo, StepMeta
 from .trace import Event
 
@@ -74,7 +76,12 @@ class RemoteDriver:
         try:
             for spec in specs:
                 spec.layer_offset = sum(len(info.layers) for info in self.infos)
-                self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, spec))
+                # cloudpickle sends classes and factories defined in the user's script by value: a
+                # worker cannot import the driver's __main__.
+                self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, cloudpickle.dumps(spec)))
+            routes = route([(info.stashes, info.pops) for info in self.infos])
+            for j, stage_routes in enumerate(routes):
+                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes)
         except BaseException:
             self.close()
             raise
@@ -107,6 +114,9 @@ class RemoteDriver:
     def load_state_dict(self, parts: list[dict[str, Tensor]]) -> None:
         for j, part in enumerate(parts):
             self._call(j, server.load_state_dict, self.pipe_id, j, part)
+
+    def traffic(self) -> list[dict[str, tuple[int, int]]]:
+        return self._call_all(server.traffic)
 
     def events(self, clear: bool) -> list[Event]:
         return [e for part in self._call_all(server.events, clear) for e in part]

@@ -10,11 +10,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed.rpc as rpc
-from torch import nn
+from torch import Tensor, nn
 
 from . import _rpc, microbatch
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop, clock_cycles
+from .skip.layout import route
+from .skip.tracker import SkipKey
 from .stage import Stage, StageInfo, StepMeta
 from .trace import Event
 
@@ -28,6 +30,9 @@ class LocalDriver:
                  checkpoint: str) -> None:
         name = _rpc.self_name()
         self.stages = [Stage(j, module, device, name) for j, (module, device) in enumerate(zip(modules, devices))]
+        infos = [stage.info() for stage in self.stages]
+        for stage, routes in zip(self.stages, route([(info.stashes, info.pops) for info in infos])):
+            stage.routes = routes
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._steps = itertools.count()
@@ -43,9 +48,14 @@ class LocalDriver:
                         checkpoint_stop=checkpoint_stop(self.checkpoint, m, enabled=training and grad),
                         grad_enabled=grad, deliver_to=None, timeout=0.0)
         values: list[TensorOrTensors] = list(batches)
+        skips: list[dict[SkipKey, Tensor | None]] = [{} for _ in range(m)]
         for tick in clock_cycles(m, len(self.stages)):
             for i, j in tick:
-                values[i], _ = self.stages[j].run(meta, i, values[i], None)
+                stage = self.stages[j]
+                received = {key: skips[i].pop(key) for key in stage.routes.incoming}
+                out = stage.run(meta, i, values[i], (), received)
+                values[i] = out.value
+                skips[i].update(out.skips)
         return rpc.RRef(microbatch.gather(values))
 
     def events(self, clear: bool) -> list[Event]:

@@ -10,14 +10,17 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _rpc
+from .batchnorm import DeferredBatchNorm
 from .driver import RemoteDriver
 from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         split_module, uniform_balance, verify_module)
 from .server import StageSpec
+from .skip.skippable import verify_skippables
 from .stage import StageInfo
 from .trace import Event
 
@@ -45,7 +48,8 @@ class Pipe(nn.Module):
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
             their forward in backward instead of keeping activations.
-        deferred_batch_norm: not available yet (see the issue on skip connections and batch norm).
+        deferred_batch_norm: replace every ``BatchNorm*d`` by :class:`~rrefpipe.batchnorm.DeferredBatchNorm`,
+            whose running statistics are those of the whole mini-batch, committed once per mini-batch.
         balance: layers per stage, e.g. ``[2, 3]``; by default stages follow the layers' devices.
         workers: names of existing RPC workers, one per stage.
         devices: device per stage (``"cpu"``, ``"cuda:1"``); by default where the layers are.
@@ -73,7 +77,10 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         verify_module(module)
-        self._configure(chunks, checkpoint, deferred_batch_norm, remote_output, rpc_timeout)
+        verify_skippables(module)
+        self._configure(chunks, checkpoint, remote_output, rpc_timeout)
+        if deferred_batch_norm:
+            module = _deferred(module, self.chunks)
         if balance is not None:
             balance = check_balance(balance, len(module))
             stage_devices = _devices(devices, len(balance)) or [
@@ -111,27 +118,24 @@ class Pipe(nn.Module):
     ) -> Pipe:
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
-        The weights never exist on the driver. Factories must be importable by the workers (module-level
-        functions or ``functools.partial`` of them, not lambdas). State-dict keys are those of the
-        ``nn.Sequential`` that concatenates the stages' layers.
+        The weights never exist on the driver. Factories travel by value (cloudpickle), so lambdas and
+        functions of your script work; what they import must be installed on the workers. State-dict
+        keys are those of the ``nn.Sequential`` that concatenates the stages' layers.
         """
         if not factories or not all(callable(f) for f in factories):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
-        pipe._configure(chunks, checkpoint, False, remote_output, rpc_timeout)
+        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout)
         stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         specs = [_spec(j, len(factories), None, f, stage_devices[j]) for j, f in enumerate(factories)]
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe
 
-    def _configure(self, chunks: int, checkpoint: str, deferred_batch_norm: bool, remote_output: bool,
-                   rpc_timeout: float) -> None:
+    def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        if deferred_batch_norm:
-            raise NotImplementedError("deferred_batch_norm=True is not implemented yet")
         if rpc_timeout <= 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
         self.remote_output = remote_output
@@ -198,6 +202,12 @@ class Pipe(nn.Module):
         """Which layers, worker and device each stage has."""
         return list(self._driver.infos)
 
+    def traffic(self) -> list[dict[str, tuple[int, int]]]:
+        """Per stage: ``{'activation': (tensors, bytes), 'skip': (tensors, bytes)}`` it has received."""
+        if isinstance(self._driver, LocalDriver):
+            raise RuntimeError("traffic is counted on stage workers; this pipe runs in-process")
+        return self._driver.traffic()
+
     def execution_record(self, clear: bool = False) -> list[Event]:
         """Every stage's forward/recompute/backward spans, oldest first (``clear`` empties the record)."""
         return sorted(self._driver.events(clear), key=lambda e: (e.start, e.stage))
@@ -256,6 +266,16 @@ class Pipe(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))
+
+
+def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
+    """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied)."""
+    if not any(isinstance(m, _BatchNorm) for m in module.modules()):
+        raise ValueError("deferred_batch_norm=True, but the module has no BatchNorm layers to defer")
+    converted = nn.Sequential(OrderedDict(
+        (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()
+        if child is not None))
+    return converted
 
 
 def _devices(devices: Sequence[str | torch.device] | None, count: int | None) -> list[torch.device] | None:

@@ -1,16 +1,19 @@
 """The stage side of the RPC protocol: a registry of stages on this worker and their RPC entry points.
 
-Micro-batch ``i`` of a step reaches stage ``j`` in one message (``receive``). Its RPC body never waits
-on another worker: it buffers the job and, if no other body is already running this stage, *drains*
-the buffer strictly in micro-batch order, pushing each output to the next stage from the body. The
-dist-autograd context is current only inside an RPC body, so pushing from the body is what makes
-every hop part of the backward graph (see RPC_FACTS in the project notes). Failures travel back as
-values (:class:`~rrefpipe.errors.Failure`) through the chain of futures, never as raised exceptions.
+Micro-batch ``i`` of a step reaches stage ``j`` in one message (``receive``), plus one message per skip
+tensor that an earlier stage stashed for it (``receive_skip``, sent straight from that stage). No RPC
+body waits on another worker: each buffers what it brought and, if no other body is running this stage,
+*drains* the buffer strictly in micro-batch order, running every job whose inputs are complete and
+pushing its output (and its outgoing skips) from the body. The dist-autograd context is current only
+inside an RPC body, so pushing from the body is what keeps every hop in the backward graph. Failures
+travel back as values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
+import pickle
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,9 @@ from torch.futures import Future
 from . import microbatch
 from .errors import Failure
 from .microbatch import TensorOrTensors
-from .stage import Stage, StageInfo, StepMeta
+from .skip.layout import SkipRoutes
+from .skip.tracker import SkipKey
+from .stage import Stage, StageInfo, StageOutput, StepMeta
 from .trace import Event
 
 __all__: list[str] = []
@@ -55,15 +60,25 @@ def _built(spec: StageSpec) -> nn.Sequential:
 
 @dataclass
 class _Job:
-    meta: StepMeta
+    """Everything micro-batch ``i`` needs on this stage; runnable once ``arrived`` and all skips are in."""
+
     i: int
-    value: TensorOrTensors
-    phony: Tensor | None
+    meta: StepMeta | None = None
+    value: TensorOrTensors | None = None
+    arrived: bool = False
+    phonies: list[Tensor] = field(default_factory=list)
+    skips: dict[SkipKey, Tensor | None] = field(default_factory=dict)
+    nones: frozenset[SkipKey] = frozenset()
     future: Future[Status] = field(default_factory=Future)
 
 
+def _count(value: Any) -> tuple[int, int]:
+    tensors = [value] if isinstance(value, Tensor) else [t for t in value or () if isinstance(t, Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
 class StageServer:
-    """Runs one stage's micro-batches in order and forwards each output to where it goes next."""
+    """Runs one stage's micro-batches in order and sends outputs and skips where they go next."""
 
     def __init__(self, pipe_id: str, spec: StageSpec) -> None:
         module = spec.module if spec.module is not None else _built(spec)
@@ -71,39 +86,71 @@ class StageServer:
         self.spec = spec
         self.stage = Stage(spec.index, module, torch.device(spec.device), rpc.get_worker_info().name)
         self.is_last = spec.index == spec.num_stages - 1
+        self.workers: list[str] = []
+        self.traffic: dict[str, list[int]] = {"activation": [0, 0], "skip": [0, 0]}  # kind -> [tensors, bytes]
         self._lock = threading.Lock()
         self._step = -1
         self._next_i = 0
         self._pending: dict[int, _Job] = {}
         self._draining = False
         self._failure: Failure | None = None
-        self._kept: dict[int, dict[int, TensorOrTensors]] = {}
+        self._kept: dict[int, TensorOrTensors] = {}
 
-    # -- forward -----------------------------------------------------------------------------------
-    def receive(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None) -> Future[Status]:
-        job = _Job(meta, i, value, phony)
+    # -- arrivals ----------------------------------------------------------------------------------
+    def receive(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
+                nones: frozenset[SkipKey]) -> Future[Status]:
+        def update(job: _Job) -> None:
+            job.meta, job.value, job.arrived = meta, value, True
+            job.nones = nones
+            if phony is not None:
+                job.phonies.append(phony)
+            for key in nones & self.stage.routes.incoming:
+                job.skips[key] = None
+
+        job = self._arrive(meta, i, "activation", value, update)
+        if job is None:
+            stale: Future[Status] = Future()
+            stale.set_result(self._cancelled(i, "it belongs to an earlier step"))
+            return stale
+        return job.future
+
+    def receive_skip(self, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor, phony: Tensor | None) -> None:
+        def update(job: _Job) -> None:
+            job.skips[key] = tensor
+            if phony is not None:
+                job.phonies.append(phony)
+
+        self._arrive(meta, i, "skip", tensor, update)
+
+    def _arrive(self, meta: StepMeta, i: int, kind: str, payload: Any, update: Callable[[_Job], None]) -> _Job | None:
+        count, nbytes = _count(payload)
         with self._lock:
+            self.traffic[kind][0] += count
+            self.traffic[kind][1] += nbytes
             if meta.step < self._step:
-                job.future.set_result(self._cancelled(i, "it belongs to an earlier step"))
-                return job.future
+                return None
             if meta.step > self._step:  # a new step: whatever is left of older ones is abandoned
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
                 self._kept = {}
-            self._pending[i] = job
+            job = self._pending.setdefault(i, _Job(i))
+            update(job)
             if self._draining:
-                return job.future
+                return job
             self._draining = True
         self._drain()
-        return job.future
+        return job
 
+    # -- running -------------------------------------------------------------------------------------
     def _drain(self) -> None:
+        incoming = self.stage.routes.incoming
         while True:
             with self._lock:
-                job = self._pending.pop(self._next_i, None)
-                if job is None:
+                job = self._pending.get(self._next_i)
+                if job is None or not job.arrived or not incoming <= job.skips.keys():
                     self._draining = False
                     return
+                del self._pending[self._next_i]
                 self._next_i += 1
                 failure = self._failure
             if failure is not None:
@@ -112,8 +159,9 @@ class StageServer:
                 self._process(job)
 
     def _process(self, job: _Job) -> None:
+        assert job.meta is not None and job.value is not None
         try:
-            out, phony = self.stage.run(job.meta, job.i, job.value, job.phony)
+            out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips)
         except Exception as exc:
             failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
                                       phase="forward")
@@ -121,25 +169,42 @@ class StageServer:
                 self._failure = failure
             job.future.set_result(failure)
             return
+        sends = self._send_skips(job, out)
         if self.is_last and job.meta.deliver_to is None:
-            self._kept.setdefault(job.meta.step, {})[job.i] = out
-            job.future.set_result(None)
-            return
-        self._push(job, out, phony)
-
-    def _push(self, job: _Job, out: TensorOrTensors, phony: Tensor | None) -> None:
-        if self.spec.send_device is not None:
-            out = microbatch.apply(lambda t: t.to(self.spec.send_device), out)
-        if self.is_last:
-            target, stage = job.meta.deliver_to, None
-            fn: Any = _driver_deliver
-            args: tuple[Any, ...] = (self.pipe_id, job.meta.step, job.i, out, phony)
+            self._kept[job.i] = out.value
         else:
-            target, stage = self.spec.next_worker, self.spec.index + 1
-            fn = receive
-            args = (self.pipe_id, stage, job.meta, job.i, out, phony)
+            sends.append(self._push(job, out, job.nones | {k for k, t in out.skips.items() if t is None}))
+        _resolve_when_all(job.future, sends)
+
+    def _send_skips(self, job: _Job, out: StageOutput) -> list[Future[Status]]:
+        assert job.meta is not None
+        sends = []
+        for key, tensor in out.skips.items():
+            if tensor is None:
+                continue  # travels as a name on the activation message: no tensor, no RPC
+            stage = self.stage.routes.outgoing[key]
+            args = (self.pipe_id, stage, job.meta, job.i, key, self._outbound(tensor), out.skip_phonies.get(key))
+            sends.append(self._send(job, stage, receive_skip, args))
+        return sends
+
+    def _push(self, job: _Job, out: StageOutput, nones: frozenset[SkipKey]) -> Future[Status]:
+        assert job.meta is not None
+        value = microbatch.apply(self._outbound, out.value)
+        if self.is_last:
+            return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, job.i, value, out.phony))
+        stage = self.spec.index + 1
+        return self._send(job, stage, receive, (self.pipe_id, stage, job.meta, job.i, value, out.phony, nones))
+
+    def _outbound(self, t: Tensor) -> Tensor:
+        return t if self.spec.send_device is None else t.to(self.spec.send_device)
+
+    def _send(self, job: _Job, stage: int | None, fn: Any, args: tuple[Any, ...]) -> Future[Status]:
+        """An RPC to stage ``stage`` (None: the driver); a failed send names the receiving worker."""
+        assert job.meta is not None
+        target = job.meta.deliver_to if stage is None else self.workers[stage]
         assert target is not None
-        # A failed send names the receiving worker: it is the one that died, hung or could not unpickle.
+        result: Future[Status] = Future()
+
         def blame(exc: BaseException) -> Failure:
             return Failure.capture(exc, stage=self.spec.index if stage is None else stage, worker=target,
                                    microbatch=job.i, transport=True,
@@ -148,25 +213,47 @@ class StageServer:
         try:
             sent = rpc.rpc_async(target, fn, args=args, timeout=job.meta.timeout)
         except Exception as exc:
-            job.future.set_result(blame(exc))
-            return
+            result.set_result(blame(exc))
+            return result
 
         def relay(done: Future[Any]) -> None:
             try:
                 status = done.value()
             except Exception as exc:
                 status = blame(exc)
-            job.future.set_result(status)
+            result.set_result(status)
 
         sent.add_done_callback(relay)
+        return result
 
     def _cancelled(self, i: int, why: str) -> Failure:
         return Failure(self.spec.index, self.stage.worker, i, "forward", "Cancelled",
                        f"micro-batch {i} was not run because {why}", "", cancelled=True)
 
     def take_output(self, step: int) -> TensorOrTensors:
-        kept = self._kept.pop(step)
+        if step != self._step:
+            raise LookupError(f"the output of step {step} is gone (this stage is at step {self._step})")
+        kept, self._kept = self._kept, {}
         return microbatch.gather([kept[i] for i in sorted(kept)])
+
+
+def _resolve_when_all(target: Future[Status], sends: list[Future[Status]]) -> None:
+    """Complete ``target`` with the first failure among ``sends`` (None if all went through)."""
+    if not sends:
+        target.set_result(None)
+        return
+    remaining = [len(sends)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Status]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        target.set_result(next((s.value() for s in sends if s.value() is not None), None))
+
+    for send in sends:
+        send.add_done_callback(one_done)
 
 
 # -- registry and RPC entry points (run on the stage's worker) ---------------------------------------
@@ -182,15 +269,25 @@ def _server(pipe_id: str, index: int) -> StageServer:
                           "(closed, or never created)") from None
 
 
-def create_stage(pipe_id: str, spec: StageSpec) -> StageInfo:
+def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
+    """Build a stage from its pickled :class:`StageSpec` (cloudpickle, see the driver)."""
+    spec = pickle.loads(payload)
     server = StageServer(pipe_id, spec)
-    if spec.next_worker is not None:
-        # Open the connection to the next stage now: the first message between two TensorPipe peers
-        # pays the connection set-up, which would otherwise land on the first micro-batch.
-        rpc.rpc_sync(spec.next_worker, _noop, timeout=30)
     with _registry_lock:
         _servers[(pipe_id, spec.index)] = server
     return server.stage.info()
+
+
+def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes) -> None:
+    """Tell a stage where every stage lives and where its skips go; open those connections now (the
+    first message between two TensorPipe peers pays the connection set-up)."""
+    server = _server(pipe_id, index)
+    server.workers = list(workers)
+    server.stage.routes = routes
+    peers = {workers[index + 1]} if index + 1 < len(workers) else set()
+    peers |= {workers[k] for k in routes.outgoing.values()}
+    for future in [rpc.rpc_async(peer, _noop, timeout=30) for peer in peers]:
+        future.wait()
 
 
 def _noop() -> None:
@@ -203,8 +300,8 @@ def destroy_stage(pipe_id: str, index: int) -> None:
 
 
 @rpc.functions.async_execution
-def receive(pipe_id: str, index: int, meta: StepMeta, i: int, value: TensorOrTensors,
-            phony: Tensor | None) -> Future[Status]:
+def receive(pipe_id: str, index: int, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
+            nones: frozenset[SkipKey] = frozenset()) -> Future[Status]:
     try:
         server = _server(pipe_id, index)
     except LookupError as exc:
@@ -212,7 +309,17 @@ def receive(pipe_id: str, index: int, meta: StepMeta, i: int, value: TensorOrTen
         future.set_result(Failure.capture(exc, stage=index, worker=rpc.get_worker_info().name, microbatch=i,
                                           phase="forward"))
         return future
-    return server.receive(meta, i, value, phony)
+    return server.receive(meta, i, value, phony, nones)
+
+
+def receive_skip(pipe_id: str, index: int, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor,
+                 phony: Tensor | None) -> Status:
+    """A skip tensor straight from the stage that stashed it; the job runs when all its inputs are in."""
+    try:
+        _server(pipe_id, index).receive_skip(meta, i, key, tensor, phony)
+    except LookupError as exc:
+        return Failure.capture(exc, stage=index, worker=rpc.get_worker_info().name, microbatch=i, phase="forward")
+    return None
 
 
 def take_output(pipe_id: str, index: int, step: int) -> TensorOrTensors:
@@ -237,6 +344,11 @@ def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> None:
 
 def events(pipe_id: str, index: int, clear: bool) -> list[Event]:
     return _server(pipe_id, index).stage.recorder.snapshot(clear)
+
+
+def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
+    """Tensors and bytes this stage received, by kind ('activation' or 'skip')."""
+    return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
 
 
 def _driver_deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tensor | None) -> None:

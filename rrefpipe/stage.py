@@ -5,26 +5,23 @@ Transport-free, so the same code runs on an RPC stage worker and in the driver's
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from . import microbatch
-from .dependency import fork, join, mark
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import is_recomputing, run_checkpointed
+from .dependency import fork, join, mark, new_phony
 from .microbatch import TensorOrTensors
+from .skip.layout import SkipRoutes, StageRouter
+from .skip.skippable import skippable_layers
+from .skip.tracker import SkipKey, use_tracker
 from .trace import Recorder
 
-__all__ = ["StepMeta", "StageInfo", "Stage", "warm_up"]
-
-
-def warm_up() -> None:
-    """Pay one-time lazy initialisation now: the first non-reentrant ``checkpoint`` call in a process
-    costs about a second (imports inside torch), which would otherwise stall the first micro-batch."""
-    x = torch.zeros(1, requires_grad=True)
-    checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+__all__ = ["StepMeta", "StageInfo", "StageOutput", "Stage"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +45,29 @@ class StageInfo:
     device: str
     layers: tuple[str, ...]
     num_parameters: int
+    stashes: tuple[SkipKey, ...] = ()
+    pops: tuple[SkipKey, ...] = ()
 
     def __str__(self) -> str:
-        return (f"stage {self.index}: worker {self.worker!r} on {self.device}, layers {', '.join(self.layers)} "
+        text = (f"stage {self.index}: worker {self.worker!r} on {self.device}, layers {', '.join(self.layers)} "
                 f"({self.num_parameters:,} parameters)")
+        if self.stashes or self.pops:
+            text += f", skips: stash {[k[1] for k in self.stashes]} pop {[k[1] for k in self.pops]}"
+        return text
+
+
+@dataclass
+class StageOutput:
+    """A micro-batch's output, and the skip tensors to send straight to later stages."""
+
+    value: TensorOrTensors
+    phony: Tensor | None = None
+    skips: dict[SkipKey, Tensor | None] = field(default_factory=dict)
+    skip_phonies: dict[SkipKey, Tensor] = field(default_factory=dict)
 
 
 class Stage:
-    """A partition of the model on one device, with its execution record."""
+    """A partition of the model on one device, with its skip routes and execution record."""
 
     def __init__(self, index: int, module: nn.Sequential, device: torch.device, worker: str) -> None:
         self.index = index
@@ -63,47 +75,76 @@ class Stage:
         self.worker = worker
         self.module = module.to(device)
         self.recorder = Recorder(index, worker)
+        self.routes = SkipRoutes({}, frozenset())
+        self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._backward_starts: dict[tuple[int, int], float] = {}
 
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
         count = sum(p.numel() for p in self.module.parameters())
-        return StageInfo(self.index, self.worker, str(self.device), names, count)
+        layers = [layer for _, layer in skippable_layers(self.module)]
+        stashes = tuple(key for layer in layers for key in layer.stashable())
+        pops = tuple(key for layer in layers for key in layer.poppable())
+        return StageInfo(self.index, self.worker, str(self.device), names, count, stashes, pops)
 
-    def run(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None) -> tuple[TensorOrTensors, Tensor | None]:
-        """Run micro-batch ``i``. With a phony (training under a dist-autograd context) the output
-        is joined to it and a new phony is forked for the next hop."""
-        value = microbatch.apply(lambda t: t.to(self.device, non_blocking=True), value)
+    def run(self, meta: StepMeta, i: int, value: TensorOrTensors, phonies: Sequence[Tensor] = (),
+            received: dict[SkipKey, Tensor | None] | None = None) -> StageOutput:
+        """Run micro-batch ``i`` with the skip tensors ``received`` from earlier stages.
+
+        Under autograd each phony is joined into the output and new phonies are forked for the next
+        hops, so every hop stays in the backward graph (see ``dependency``)."""
+        move = self._to_device
+        value = microbatch.apply(move, value)
+        received = {k: None if t is None else move(t) for k, t in (received or {}).items()}
+        if i == 0:
+            for bn in self._deferred:
+                bn.start_minibatch(meta.chunks)
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled):
             if meta.grad_enabled:
-                backward_end = self._backward_callback(meta.step, i, "end")
-                value = mark(value, backward_end)
-            fn = self._counted(meta.step, i)
-            out = checkpoint(fn, value, use_reentrant=False) if checkpointed else fn(value)
+                value = mark(value, self._backward_callback(meta.step, i, "end"))
+            fn, outgoing = self._runner(meta.step, i, received)
+            out = run_checkpointed(fn, value) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
                 out = tuple(out)
             if not meta.grad_enabled:
-                return out, None
-            phony_out = None
-            if phony is not None:  # the output crosses an RPC hop: keep the hop in the backward graph
-                out, phony_out = fork(join(out, phony))
-            out = mark(out, self._backward_callback(meta.step, i, "start"))
-        return out, phony_out
+                return StageOutput(out, None, outgoing)
+            for phony in phonies:
+                out = join(out, phony)
+            result = StageOutput(out)
+            if phonies:  # the output crosses an RPC hop
+                result.value, result.phony = fork(out)
+            for key, tensor in outgoing.items():
+                if tensor is not None and phonies:  # a skip message must be recorded, like any hop
+                    if tensor.requires_grad:
+                        forked, result.skip_phonies[key] = fork(tensor)
+                        tensor = forked  # type: ignore[assignment]
+                    else:
+                        result.skip_phonies[key] = new_phony()
+                result.skips[key] = tensor
+            result.value = mark(result.value, self._backward_callback(meta.step, i, "start"))
+        return result
 
-    def _counted(self, step: int, i: int) -> Callable[[TensorOrTensors], TensorOrTensors]:
-        """The partition's forward; its first call records 'forward', later ones (checkpoint) 'recompute'."""
-        calls = 0
+    def _to_device(self, t: Tensor) -> Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None]
+                ) -> tuple[Callable[[TensorOrTensors], TensorOrTensors], dict[SkipKey, Tensor | None]]:
+        """The partition's forward with its skip router. The forward records 'forward' and collects the
+        outgoing skips; checkpoint recomputation records 'recompute' and sends nothing."""
+        outgoing: dict[SkipKey, Tensor | None] = {}
 
         def run(value: TensorOrTensors) -> TensorOrTensors:
-            nonlocal calls
-            kind = "forward" if calls == 0 else "recompute"
-            calls += 1
-            with self.recorder.span(kind, step, i):
-                return self.module(value)
+            again = is_recomputing()
+            router = StageRouter(self.routes, received, recomputing=again)
+            with self.recorder.span("recompute" if again else "forward", step, i), use_tracker(router):
+                out = self.module(value)
+            if not again:
+                outgoing.update(router.outgoing)
+            return out
 
-        return run
+        return run, outgoing
 
     def _backward_callback(self, step: int, i: int, edge: str) -> Callable[[], None]:
         """Backward of a stage starts when its output's gradient arrives and ends at its inputs'."""

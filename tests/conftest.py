@@ -17,10 +17,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[object]:
-    """Three local stage workers, with this pytest process as the driver, for the whole session."""
+    """Four local stage workers, with this pytest process as the driver, for the whole session."""
     from workers import LocalWorkers
 
-    workers = LocalWorkers(3, threads=1).start()
+    workers = LocalWorkers(4, threads=1).start()
     pids = workers.pids
     try:
         yield workers

@@ -60,3 +60,88 @@ def make_head(width: int = 8) -> nn.Sequential:
 
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+# -- skip connections ----------------------------------------------------------------------------
+from rrefpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
+
+
+@skippable(stash=["skip"])
+class StashInput(nn.Module):
+    """Stashes its input (scaled, so the skip carries a real autograd path)."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", x * 0.5)
+        return x
+
+
+@skippable(pop=["skip"])
+class PopAdd(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x + skip
+
+
+@skippable(stash=["skip"])
+class StashNone(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", None)
+        return x
+
+
+@skippable(pop=["skip"])
+class PopMaybe(nn.Module):
+    """Adds the skip if there is one; a stashed None must arrive as None."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return x if skip is None else x + skip
+
+
+@skippable(stash=["a", "b"], pop=["c"])
+class StashStashPop(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("a", torch.tanh(x))
+        yield stash("b", self.fc(x))
+        c = yield pop("c")
+        return x + c
+
+
+@skippable(stash=["c"])
+class StashC(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("c", x * 2)
+        return x
+
+
+@skippable(pop=["a", "b"])
+class PopAB(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        a = yield pop("a")
+        b = yield pop("b")
+        return x * a + b
+
+
+def skip_model(width: int = 6, seed: int = 0) -> nn.Sequential:
+    """Seven layers, two skips of different lengths and one in a repeated (isolated) namespace pair."""
+    torch.manual_seed(seed)
+    ns1, ns2 = Namespace(), Namespace()
+    return nn.Sequential(
+        StashInput().isolate(ns1), nn.Linear(width, width), StashInput().isolate(ns2), nn.Tanh(),
+        PopAdd().isolate(ns2), nn.Linear(width, width), PopAdd().isolate(ns1),
+    )
+
+
+def residual_model(width: int = 8, blocks: int = 3, seed: int = 0) -> nn.Sequential:
+    """ResNet-style: each block is stash -> Linear -> ReLU -> Linear -> pop+add, namespaced per block."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        ns = Namespace()
+        layers += [StashInput().isolate(ns), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+                   PopAdd().isolate(ns)]
+    return nn.Sequential(*layers)

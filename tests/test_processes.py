@@ -161,3 +161,33 @@ def test_worker_cli_under_torchrun_environment():
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_layers_and_factories_defined_in_the_users_script():
+    """Classes in the driver's __main__ and lambdas reach the workers (sent by value)."""
+    run_script("""
+        import torch
+        from torch import nn
+        from rrefpipe import Pipe
+        from rrefpipe.skip import pop, skippable, stash
+
+        @skippable(stash=["s"])
+        class Keep(nn.Module):
+            def forward(self, x):
+                yield stash("s", x)
+                return x * 3
+
+        @skippable(pop=["s"])
+        class Add(nn.Module):
+            def forward(self, x):
+                s = yield pop("s")
+                return x + s
+
+        model = nn.Sequential(Keep(), nn.Linear(2, 2), Add())
+        with Pipe(model, chunks=2, balance=[1, 1, 1]) as pipe, torch.no_grad():
+            x = torch.randn(4, 2)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        with Pipe.from_factories([lambda: nn.Linear(2, 3), lambda: nn.Tanh()], chunks=2) as pipe:
+            assert [len(s.layers) for s in pipe.stages] == [1, 1]
+            assert pipe(torch.randn(4, 2)).local_value().shape == (4, 3)
+    """)

@@ -18,7 +18,7 @@ def _stage() -> Stage:
 def test_checkpointed_microbatch_is_recomputed_in_backward(stop, recomputes):
     stage = _stage()
     x = torch.randn(3, 4, requires_grad=True)
-    out, _ = stage.run(_meta(True, stop), 0, x, None)
+    out = stage.run(_meta(True, stop), 0, x).value
     out.sum().backward()
     kinds = [e.kind for e in stage.recorder.snapshot()]
     assert kinds.count("forward") == 1 and kinds.count("recompute") == recomputes
@@ -30,8 +30,8 @@ def test_checkpointed_microbatch_is_recomputed_in_backward(stop, recomputes):
 
 def test_without_grad_no_autograd_state_is_kept():
     stage = _stage()
-    out, phony = stage.run(_meta(False, 2), 0, torch.randn(2, 4, requires_grad=True), None)
-    assert out.grad_fn is None and phony is None
+    result = stage.run(_meta(False, 2), 0, torch.randn(2, 4, requires_grad=True))
+    assert result.value.grad_fn is None and result.phony is None
     assert [e.kind for e in stage.recorder.snapshot()] == ["forward"]
 
 
@@ -39,4 +39,4 @@ def test_non_tensor_output_names_the_stage():
     stage = Stage(3, nn.Sequential(nn.Flatten(0), nn.Module()), torch.device("cpu"), "here")
     stage.module[1].forward = lambda x: "nope"  # type: ignore[method-assign]
     with pytest.raises(TypeError, match="output of stage 3 .* got str"):
-        stage.run(_meta(True, 0), 0, torch.randn(2, 2), None)
+        stage.run(_meta(True, 0), 0, torch.randn(2, 2))

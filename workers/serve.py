@@ -53,7 +53,7 @@ def serve(
     """Serve stages as RPC worker ``name`` until stopped or orphaned."""
     if threads:
         torch.set_num_threads(threads)
-    from rrefpipe.stage import warm_up
+    from rrefpipe.checkpoint import warm_up
 
     warm_up()
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

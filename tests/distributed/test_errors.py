@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster):
     model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), Boom(), nn.Linear(4, 2))
-    with Pipe(model, chunks=4, balance=[1, 2, 1], workers=cluster.names) as pipe:
+    with Pipe(model, chunks=4, balance=[1, 2, 1], workers=cluster.names[:3]) as pipe:
         x = torch.zeros(8, 4)
         bad = x.clone()
         bad[4:6] = SENTINEL  # micro-batch 2; an identity first layer passes the sentinel on to Boom
@@ -36,7 +36,7 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster):
 
 def test_non_tensor_stage_output_is_a_type_error_naming_the_stage(cluster):
     model = nn.Sequential(nn.Linear(4, 4), ToDict(), nn.Identity())
-    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names) as pipe:
+    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
         with pytest.raises(StageError, match="stage 1 .* TypeError: output of stage 1 must be a Tensor"):
             with torch.no_grad():
                 pipe(torch.randn(4, 4))
@@ -52,7 +52,7 @@ def test_bad_worker_names_and_stage_counts(cluster):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"unknown worker names \['nope'\]"):
         Pipe(model, balance=[1, 1], workers=["worker1", "nope"])
-    with pytest.raises(ValueError, match="3 workers named for 2 stages"):
+    with pytest.raises(ValueError, match="4 workers named for 2 stages"):
         Pipe(model, balance=[1, 1], workers=cluster.names)
     with pytest.raises(ValueError, match="more stages than layers"):
         Pipe(model, devices=["cpu", "cpu", "cpu"])

@@ -36,7 +36,7 @@ def test_stages_overlap_and_each_runs_its_microbatches_in_order(cluster):
 def test_64_microbatches_through_3_stages_with_default_thread_pool(cluster):
     model = mlp([4, 8, 8, 4], seed=1)
     x = torch.randn(128, 4, requires_grad=True)
-    with Pipe(model, chunks=64, balance=[2, 2, 1], workers=cluster.names) as pipe:
+    with Pipe(model, chunks=64, balance=[2, 2, 1], workers=cluster.names[:3]) as pipe:
         with dist_autograd.context() as ctx:
             out = pipe(x).local_value()
             dist_autograd.backward(ctx, [out.sum()])

@@ -55,7 +55,7 @@ def test_tuple_boundaries_between_workers(cluster, checkpoint):
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), Split(), Merge(), torch.nn.Linear(6, 2))
     x = torch.randn(6, 4, requires_grad=True)
-    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 1, 1], workers=cluster.names) as pipe:
+    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 1, 1], workers=cluster.names[:3]) as pipe:
         check_transparent(pipe, model, x)
 
 

@@ -1,0 +1,152 @@
+"""The ``@skippable`` decorator and its ``stash``/``pop`` commands, and ``verify_skippables``."""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
+
+from torch import Tensor, nn
+
+from .namespace import DEFAULT, Namespace
+from .tracker import SkipKey, current_tracker
+
+__all__ = ["skippable", "stash", "pop", "verify_skippables", "Skippable"]
+
+
+class stash:  # noqa: N801 (the documented, PyTorch-compatible name)
+    """The command ``yield stash(name, tensor)``: keep ``tensor`` (or None) for a later ``pop(name)``."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: Tensor | None) -> None:
+        self.name = name
+        self.tensor = tensor
+
+
+class pop:  # noqa: N801
+    """The command ``tensor = yield pop(name)``: take back the tensor stashed under ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Skippable(nn.Module):
+    """Base of the classes ``@skippable`` makes: declared skip names and their namespaces."""
+
+    stashable_names: ClassVar[frozenset[str]] = frozenset()
+    poppable_names: ClassVar[frozenset[str]] = frozenset()
+
+    def isolate(self, ns: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
+        """Put this layer's skip names (or ``only`` these) in namespace ``ns``; returns self."""
+        names = set(only) if only is not None else self.stashable_names | self.poppable_names
+        unknown = names - (self.stashable_names | self.poppable_names)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} declares no skip names {sorted(unknown)}")
+        namespaces = dict(getattr(self, "_skip_namespaces", {}))
+        namespaces.update(dict.fromkeys(names, ns))
+        self._skip_namespaces = namespaces
+        return self
+
+    def namespaced(self, name: str) -> SkipKey:
+        return getattr(self, "_skip_namespaces", {}).get(name, DEFAULT), name
+
+    def stashable(self) -> Iterator[SkipKey]:
+        return (self.namespaced(name) for name in sorted(self.stashable_names))
+
+    def poppable(self) -> Iterator[SkipKey]:
+        return (self.namespaced(name) for name in sorted(self.poppable_names))
+
+    def _drive(self, gen: Generator[Any, Tensor | None, Any]) -> Any:
+        """Run a generator ``forward``: save stashes and answer pops through the current tracker."""
+        tracker = current_tracker()
+        reply: Tensor | None = None
+        while True:
+            try:
+                command = gen.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            reply = None
+            if isinstance(command, stash):
+                self._check(command.name, self.stashable_names, "stash")
+                tracker.save(self.namespaced(command.name), command.tensor)
+            elif isinstance(command, pop):
+                self._check(command.name, self.poppable_names, "pop")
+                reply = tracker.load(self.namespaced(command.name))
+            else:
+                raise TypeError(f"{type(self).__name__}.forward yielded {command!r}; yield stash(...) or pop(...)")
+
+    def _check(self, name: str, declared: frozenset[str], verb: str) -> None:
+        if name not in declared:
+            raise RuntimeError(f"{type(self).__name__} cannot {verb} {name!r}: it declares "
+                               f"{verb}={sorted(declared)} in @skippable")
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[type[M]], type[M]]:
+    """Declare the skip tensors a module class stashes and pops; its ``forward`` may then ``yield``
+    ``stash(name, tensor)`` and ``pop(name)``. Works inside and outside a Pipe."""
+    stashable, poppable = frozenset(stash), frozenset(pop)
+
+    def decorate(cls: type[M]) -> type[M]:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@skippable decorates nn.Module classes, got {cls!r}")
+        original = cls.forward
+
+        def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            return self._drive(result) if isinstance(result, Generator) else result
+
+        namespace = {"forward": forward, "stashable_names": stashable, "poppable_names": poppable,
+                     "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        return type(cls.__name__, (cls, Skippable), namespace)
+
+    return decorate
+
+
+def skippable_layers(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, Skippable]]:
+    """Every skippable inside ``module`` in definition (= forward) order; shared instances repeat."""
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        path = f"{prefix}{name}"
+        if isinstance(child, Skippable):
+            yield path, child
+        yield from skippable_layers(child, path + ".")
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check that every skip name has exactly one stash and one later pop.
+
+    Raises ``TypeError`` listing every problem at once, each naming the layers and the skip.
+    """
+    stashes: dict[SkipKey, list[tuple[int, str]]] = {}
+    pops: dict[SkipKey, list[tuple[int, str]]] = {}
+    for order, (path, layer) in enumerate(skippable_layers(module)):
+        for key in layer.stashable():
+            stashes.setdefault(key, []).append((order, path))
+        for key in layer.poppable():
+            pops.setdefault(key, []).append((order, path))
+    problems = []
+    for key in sorted(set(stashes) | set(pops), key=lambda k: (k[1], k[0].id)):
+        name = f"{key[1]!r}" + ("" if key[0] == DEFAULT else f" in {key[0]}")
+        by, at = stashes.get(key, []), pops.get(key, [])
+        if len(by) > 1:
+            problems.append(f"{name} is stashed by {len(by)} layers {_names(by)}: one stash per name "
+                            "(isolate repeated blocks with layer.isolate(Namespace()))")
+        if len(at) > 1:
+            problems.append(f"{name} is popped by {len(at)} layers {_names(at)}: one pop per name")
+        if by and not at:
+            problems.append(f"{name} is stashed by layer {_names(by)} but never popped")
+        if at and not by:
+            problems.append(f"{name} is popped by layer {_names(at)} but never stashed")
+        if len(by) == 1 and len(at) == 1 and at[0][0] <= by[0][0]:
+            problems.append(f"{name} is popped by layer {_names(at)} before it is stashed by layer {_names(by)}")
+    if problems:
+        raise TypeError("skip connections do not pair up:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _names(places: list[tuple[int, str]]) -> str:
+    return " and ".join(repr(path) for _, path in places)

@@ -1,0 +1,39 @@
+"""Deferred batch norm on stage workers: running statistics equal plain BatchNorm on the whole batch."""
+import copy
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from rrefpipe import Pipe
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("bn_stage", [0, 1])
+def test_running_stats_after_training_steps(cluster, checkpoint, momentum, bn_stage):
+    """(A BatchNorm *after* a deferred one sees micro-batch-normalised inputs, so its statistics are
+    not the plain model's by design: one BatchNorm per model here, on either stage.)"""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3 if bn_stage == 0 else 4, momentum=momentum)
+    layers = [bn, nn.Conv2d(3, 4, 3), nn.ReLU()] if bn_stage == 0 else [nn.Conv2d(3, 4, 3), nn.ReLU(), bn]
+    model = nn.Sequential(*layers, nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten())
+    plain = copy.deepcopy(model)
+    with Pipe(model, chunks=4, checkpoint=checkpoint, deferred_batch_norm=True, balance=[3, 3],
+              workers=cluster.names[:2]) as pipe:
+        for step in range(3):
+            x = torch.randn(8, 3, 8, 8) * (1 + step)
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+            plain(x)
+        state = pipe.state_dict()
+        pipe.eval()
+        plain.eval()
+        x = torch.randn(4, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), plain(x))  # eval uses the running statistics
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m: f"{key}: {m}")

@@ -1,0 +1,76 @@
+"""Skip connections across stage workers: transparency, every cut, direct routing, None skips."""
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from rrefpipe import Pipe
+from tests.distributed.test_transparency import check_transparent
+from tests.layers import PopAdd, PopMaybe, StashInput, StashNone, residual_model, skip_model
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def compositions(total: int, parts: int):
+    """Every balance of ``total`` layers into ``parts`` non-empty stages."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_skippable_model_is_transparent(cluster, stages, checkpoint):
+    model = residual_model(blocks=2)  # 10 layers
+    balance = {1: [10], 2: [4, 6], 3: [3, 4, 3], 4: [2, 3, 3, 2]}[stages]
+    x = torch.randn(6, 8, requires_grad=True)
+    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=balance, workers=cluster.names[:stages]) as pipe:
+        check_transparent(pipe, model, x)
+
+
+def test_every_cut_of_a_skippable_model(cluster):
+    """Wherever the cuts fall (between a stash and its pop, or not), the result is the plain model's."""
+    model = skip_model()
+    cuts = [b for parts in range(1, 5) for b in compositions(len(model), parts)]
+    assert len(cuts) == 1 + 6 + 15 + 20
+    for balance in cuts:
+        x = torch.randn(4, 6, requires_grad=True)
+        with Pipe(model, chunks=2, checkpoint="except_last", balance=balance,
+                  workers=cluster.names[:len(balance)]) as pipe:
+            check_transparent(pipe, model, x)
+
+
+def test_skip_goes_straight_from_stash_stage_to_pop_stage(cluster):
+    """A skip from stage 0 to stage 3: stages 1 and 2 receive the activations and nothing else."""
+    torch.manual_seed(0)
+    model = nn.Sequential(StashInput(), nn.Linear(32, 16), nn.Linear(16, 8), nn.Linear(8, 32), PopAdd())
+    chunks, batch = 4, 8
+    with Pipe(model, chunks=chunks, balance=[2, 1, 1, 1], workers=cluster.names) as pipe:
+        for _ in range(2):
+            x = torch.randn(batch, 32)
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x).local_value(), model(x))
+        traffic = pipe.traffic()
+    f32 = 4
+    # two forwards: activation bytes are exactly the boundary tensors; the skip (batch x 32) only reaches stage 3
+    assert traffic[1] == {"activation": (2 * chunks, 2 * batch * 16 * f32), "skip": (0, 0)}
+    assert traffic[2] == {"activation": (2 * chunks, 2 * batch * 8 * f32), "skip": (0, 0)}
+    assert traffic[3] == {"activation": (2 * chunks, 2 * batch * 32 * f32), "skip": (2 * chunks, 2 * batch * 32 * f32)}
+    assert traffic[0]["skip"] == (0, 0)
+
+
+def test_skip_output_matches_plain_model_across_four_stages(cluster):
+    torch.manual_seed(1)
+    model = nn.Sequential(StashInput(), nn.Linear(32, 16), nn.Linear(16, 8), nn.Linear(8, 32), PopAdd())
+    x = torch.randn(8, 32, requires_grad=True)
+    with Pipe(model, chunks=4, balance=[2, 1, 1, 1], workers=cluster.names, checkpoint="always") as pipe:
+        check_transparent(pipe, model, x)
+
+
+def test_stashed_none_costs_nothing(cluster):
+    model = nn.Sequential(StashNone(), nn.Linear(4, 4), nn.Tanh(), PopMaybe())
+    x = torch.randn(6, 4, requires_grad=True)
+    with Pipe(model, chunks=3, balance=[1, 1, 2], workers=cluster.names[:3]) as pipe:
+        check_transparent(pipe, model, x)
+        assert all(t["skip"] == (0, 0) for t in pipe.traffic())

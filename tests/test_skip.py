@@ -1,0 +1,94 @@
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from rrefpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from rrefpipe.skip.layout import route
+from tests.layers import PopAB, PopAdd, StashC, StashInput, StashStashPop, skip_model
+
+
+def test_skippable_modules_work_outside_a_pipe():
+    model = nn.Sequential(StashInput(), nn.Linear(3, 3), PopAdd())
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(model(x), model[1](x) + x * 0.5)
+
+
+def test_several_names_per_module_and_tuple_of_pops():
+    model = nn.Sequential(StashC(), StashStashPop(4), PopAB())
+    verify_skippables(model)
+    x = torch.randn(2, 4)
+    a, b = torch.tanh(x), model[1].fc(x)
+    torch.testing.assert_close(model(x), (x + 2 * x) * a + b)
+
+
+@pytest.mark.parametrize("layers, messages", [
+    (lambda: [StashInput(), nn.ReLU()], ["'skip' is stashed by layer '0' but never popped"]),
+    (lambda: [nn.ReLU(), PopAdd()], ["'skip' is popped by layer '1' but never stashed"]),
+    (lambda: [PopAdd(), StashInput()], ["'skip' is popped by layer '0' before it is stashed by layer '1'"]),
+    (lambda: [StashInput(), StashInput(), PopAdd()], ["'skip' is stashed by 2 layers '0' and '1'"]),
+    (lambda: [StashInput(), PopAdd(), PopAdd()], ["'skip' is popped by 2 layers '1' and '2'"]),
+    (lambda: [StashStashPop(2)], ["'a' is stashed by layer '0' but never popped",
+                                  "'b' is stashed by layer '0' but never popped",
+                                  "'c' is popped by layer '0' but never stashed"]),
+])
+def test_verify_skippables_lists_every_problem(layers, messages):
+    with pytest.raises(TypeError) as info:
+        verify_skippables(nn.Sequential(*layers()))
+    for message in messages:
+        assert message in str(info.value)
+
+
+def test_a_layer_used_twice_is_a_stash_twice():
+    stasher = StashInput()
+    model = nn.Sequential()
+    model._modules["0"] = stasher
+    model._modules["1"] = stasher  # the same instance twice (nn.Sequential(a, a) would hide it)
+    model._modules["2"] = PopAdd()
+    with pytest.raises(TypeError, match="'skip' is stashed by 2 layers '0' and '1'"):
+        verify_skippables(model)
+
+
+def test_namespaces_allow_repeated_blocks():
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(StashInput().isolate(ns1), PopAdd().isolate(ns1), StashInput().isolate(ns2),
+                          PopAdd().isolate(ns2))
+    verify_skippables(model)
+    with pytest.raises(TypeError, match="stashed by 2 layers"):
+        verify_skippables(nn.Sequential(StashInput(), PopAdd(), StashInput(), PopAdd()))
+    copy = pickle.loads(pickle.dumps(ns1))
+    assert copy == ns1 and hash(copy) == hash(ns1) and copy != ns2
+
+
+def test_undeclared_names_and_bad_yields_are_errors():
+    @skippable(stash=["x"])
+    class Wrong(nn.Module):
+        def forward(self, x):
+            yield stash("y", x)
+            return x
+
+    @skippable()
+    class Odd(nn.Module):
+        def forward(self, x):
+            yield 3
+            return x
+
+    with pytest.raises(RuntimeError, match="cannot stash 'y'.*stash=\\['x'\\]"):
+        Wrong()(torch.zeros(1))
+    with pytest.raises(TypeError, match="yielded 3"):
+        Odd()(torch.zeros(1))
+    with pytest.raises(ValueError, match="declares no skip names"):
+        Wrong().isolate(Namespace(), only=["zzz"])
+    with pytest.raises(TypeError, match="decorates nn.Module classes"):
+        skippable()(int)
+
+
+def test_routes_send_each_skip_to_its_pop_stage():
+    model = skip_model()  # stash@0 (ns1), stash@2 (ns2), pop@4 (ns2), pop@6 (ns1)
+    ns1, ns2 = model[0].namespaced("skip"), model[2].namespaced("skip")
+    assert ns1 != ns2 and model[6].namespaced("skip") == ns1
+    routes = route([([ns1], []), ([ns2], [ns2]), ([], [ns1])])
+    assert routes[0].outgoing == {ns1: 2} and routes[0].incoming == frozenset()
+    assert routes[1].outgoing == {} and routes[1].incoming == frozenset()  # stashed and popped locally
+    assert routes[2].incoming == frozenset({ns1})
