@@ -93,3 +93,42 @@ def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensor
         return value
     marked = _Marker.apply(callback, *tensors)
     return marked[0] if isinstance(value, Tensor) else tuple(marked)
+
+
+def after_parameter_grads(value: TensorOrTensors, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` once every node of ``value``'s local graph that feeds a parameter has run.
+
+    This marks the end of a stage's backward when no input needs a gradient (the first stage): the
+    last work is then the parameters' gradients. Returns False when the graph feeds no parameter.
+    """
+    tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen: set[Any] = set()
+    frontier = []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        feeds_leaf = False
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if type(nxt).__name__ == "AccumulateGrad":
+                feeds_leaf = True
+            else:
+                stack.append(nxt)
+        if feeds_leaf:
+            frontier.append(node)
+    if not frontier:
+        return False
+    remaining = [len(frontier)]
+
+    def done(*_: Any) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            callback()
+
+    for node in frontier:
+        node.register_hook(done)
+    return True

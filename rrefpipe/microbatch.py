@@ -58,6 +58,8 @@ def scatter(value: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:
 def gather(outputs: list[TensorOrTensors]) -> TensorOrTensors:
     """Concatenate micro-batch outputs along dim 0, keeping the tensor/tuple structure."""
     first = outputs[0]
+    if len(outputs) == 1:
+        return first  # one micro-batch: no copy
     if isinstance(first, Tensor):
         return torch.cat(outputs, dim=0)  # type: ignore[arg-type]
     return tuple(torch.cat([out[k] for out in outputs], dim=0) for k in range(len(first)))

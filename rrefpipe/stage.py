@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from . import microbatch
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import is_recomputing, run_checkpointed
-from .dependency import fork, join, mark, new_phony
+from .dependency import after_parameter_grads, fork, join, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.skippable import skippable_layers
@@ -66,6 +66,10 @@ class StageOutput:
     skip_phonies: dict[SkipKey, Tensor] = field(default_factory=dict)
 
 
+def _tensors(value: TensorOrTensors) -> tuple[Tensor, ...]:
+    return (value,) if isinstance(value, Tensor) else tuple(value)
+
+
 class Stage:
     """A partition of the model on one device, with its skip routes and execution record."""
 
@@ -99,10 +103,13 @@ class Stage:
         if i == 0:
             for bn in self._deferred:
                 bn.start_minibatch(meta.chunks)
+            self._backward_starts.clear()  # starts of a step whose backward never ran (eval in a context)
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled):
-            if meta.grad_enabled:
-                value = mark(value, self._backward_callback(meta.step, i, "end"))
+            backward_end = self._backward_callback(meta.step, i, "end")
+            inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in _tensors(value))
+            if inputs_need_grad:  # backward ends when the inputs' gradients are computed
+                value = mark(value, backward_end)
             fn, outgoing = self._runner(meta.step, i, received)
             out = run_checkpointed(fn, value) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
@@ -110,6 +117,8 @@ class Stage:
                 out = tuple(out)
             if not meta.grad_enabled:
                 return StageOutput(out, None, outgoing)
+            if not inputs_need_grad and not after_parameter_grads(out, backward_end):
+                out = mark(out, backward_end)  # no inputs or parameters needing grad: an instant backward
             for phony in phonies:
                 out = join(out, phony)
             result = StageOutput(out)

@@ -40,3 +40,17 @@ def test_non_tensor_output_names_the_stage():
     stage.module[1].forward = lambda x: "nope"  # type: ignore[method-assign]
     with pytest.raises(TypeError, match="output of stage 3 .* got str"):
         stage.run(_meta(True, 0), 0, torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_backward_is_recorded_with_or_without_input_gradient(input_grad):
+    """Without an input gradient (the first stage), backward ends when the parameters' gradients do."""
+    stage = _stage()
+    for i in range(3):
+        x = torch.randn(3, 4, requires_grad=input_grad)
+        stage.run(_meta(True, 0), i, x).value.sum().backward()
+    backward = [e for e in stage.recorder.snapshot() if e.kind == "backward"]
+    assert [e.microbatch for e in backward] == [0, 1, 2]
+    assert all(e.end >= e.start for e in backward)
+    assert not stage._backward_starts  # nothing left behind
+

@@ -62,6 +62,9 @@ def test_checkpointing_recomputes_the_right_microbatches(cluster, checkpoint, re
         recomputes = sorted(e.microbatch for e in events if e.stage == stage and e.kind == "recompute")
         assert recomputes == list(range(recomputed))
         assert sum(e.stage == stage and e.kind == "forward" for e in events) == 4
+        # the input needs no gradient: stage 0's backward still ends (when its parameters' do)
+        backward = sorted(e.microbatch for e in events if e.stage == stage and e.kind == "backward")
+        assert backward == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad"])
