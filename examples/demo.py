@@ -39,11 +39,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = local worker processes")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
-    p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"],
+                   help="micro-batches that recompute their forward in backward (default: except_last)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
+    p.add_argument("--width", type=int, default=128, help="width of the hidden layers (default: 128)")
+    p.add_argument("--lr", type=float, default=0.03, help="SGD learning rate, momentum 0.9 (default: 0.03)")
     args = p.parse_args()
 
     torch.manual_seed(0)

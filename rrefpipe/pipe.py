@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _rpc
+from .balance import balance_for_pipe
 from .batchnorm import DeferredBatchNorm
 from .driver import RemoteDriver
 from .local import LocalDriver
@@ -50,7 +52,10 @@ class Pipe(nn.Module):
             their forward in backward instead of keeping activations.
         deferred_batch_norm: replace every ``BatchNorm*d`` by :class:`~rrefpipe.batchnorm.DeferredBatchNorm`,
             whose running statistics are those of the whole mini-batch, committed once per mini-batch.
-        balance: layers per stage, e.g. ``[2, 3]``; by default stages follow the layers' devices.
+        balance: layers per stage, e.g. ``[2, 3]``; by default stages follow the layers' devices. ``'time'``
+            or ``'size'``: profile the layers on ``sample`` (:mod:`rrefpipe.balance`), one stage per
+            entry of ``devices`` (else of ``workers``), before any worker starts.
+        sample: an example mini-batch for ``balance='time' | 'size'`` (split into ``chunks`` as in training).
         workers: names of existing RPC workers, one per stage.
         devices: device per stage (``"cpu"``, ``"cuda:1"``); by default where the layers are.
         remote_output: keep the output on the last stage's worker; ``forward`` then returns a
@@ -69,7 +74,8 @@ class Pipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         *,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
+        sample: TensorOrTensors | None = None,
         workers: Sequence[str] | None = None,
         devices: Sequence[str | torch.device] | None = None,
         remote_output: bool = False,
@@ -81,6 +87,8 @@ class Pipe(nn.Module):
         self._configure(chunks, checkpoint, remote_output, rpc_timeout)
         if deferred_batch_norm:
             module = _deferred(module, self.chunks)
+        if isinstance(balance, str):  # 'time' | 'size': profile now, one stage per device (or worker)
+            balance = balance_for_pipe(balance, module, sample, chunks=self.chunks, workers=workers, devices=devices)
         if balance is not None:
             balance = check_balance(balance, len(module))
             stage_devices = _devices(devices, len(balance)) or [
@@ -211,6 +219,13 @@ class Pipe(nn.Module):
     def execution_record(self, clear: bool = False) -> list[Event]:
         """Every stage's forward/recompute/backward spans, oldest first (``clear`` empties the record)."""
         return sorted(self._driver.events(clear), key=lambda e: (e.start, e.stage))
+
+    def timeline(self, path_prefix: str | Path, clear: bool = False) -> tuple[Path, Path]:
+        """Write the execution record as ``PREFIX.json`` (Chrome/Perfetto trace) and ``PREFIX.png`` (one row per
+        stage, needs matplotlib: ``pip install 'rrefpipe[plot]'``); returns both paths. See :mod:`rrefpipe.timeline`."""
+        from .timeline import write_timeline
+
+        return write_timeline(self.execution_record(clear), path_prefix)
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]

@@ -1,0 +1,193 @@
+"""Measuring each layer of an ``nn.Sequential`` on a sandboxed copy: forward+backward time, memory."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from .. import microbatch
+from ..microbatch import TensorOrTensors
+
+__all__ = ["layer_times", "layer_sizes", "sandbox", "resolve_device", "param_bytes", "storage_key", "storage_bytes"]
+
+
+def resolve_device(module: nn.Module, device: str | torch.device | None) -> torch.device:
+    """``device``, or else where the module's first parameter is, or else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    first = next(iter([*module.parameters(), *module.buffers()]), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _check_module(module: object) -> nn.Sequential:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"balancing profiles an nn.Sequential layer by layer, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("cannot balance an empty nn.Sequential")
+    with_grads = [name for name, p in module.named_parameters() if p.grad is not None]
+    if with_grads:
+        shown = ", ".join(with_grads[:5]) + (", ..." if len(with_grads) > 5 else "")
+        raise ValueError(f"{len(with_grads)} parameters already have gradients ({shown}); profiling runs backward "
+                         "and would copy them: call module.zero_grad(set_to_none=True) first")
+    return module
+
+
+@contextmanager
+def sandbox(module: nn.Sequential, device: torch.device) -> Iterator[list[nn.Module]]:
+    """Deep copies of the layers on ``device`` in training mode; the RNG state (torch, and CUDA for a CUDA
+    device) is restored on exit. ``module`` itself (parameters, gradients, training flag) is never touched."""
+    _check_module(module)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        yield [copy.deepcopy(layer).to(device).train() for layer in module]
+
+
+def _prepare(sample: TensorOrTensors, device: torch.device, where: str) -> TensorOrTensors:
+    """Own copies on ``device`` (a micro-batch reaches a stage as a tensor of its own, not a view)."""
+    microbatch.check(sample, where)
+    if isinstance(sample, list):
+        sample = tuple(sample)
+    return microbatch.apply(lambda t: t.detach().to(device, copy=True).requires_grad_(t.requires_grad), sample)
+
+
+def _detach(value: object, where: str) -> TensorOrTensors:
+    microbatch.check(value, where)
+    if isinstance(value, list):
+        value = tuple(value)
+    return microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)  # type: ignore[arg-type]
+
+
+def _tensors(value: TensorOrTensors) -> tuple[Tensor, ...]:
+    return (value,) if isinstance(value, Tensor) else tuple(value)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.device) -> list[float]:
+    """One forward+backward of every layer on its own (input: the previous layer's output, detached)."""
+    times = []
+    value = _prepare(sample, device, "sample")
+    for j, layer in enumerate(layers):
+        _sync(device)
+        start = time.perf_counter()
+        out = layer(value)
+        value = _detach(out, f"output of layer {j}")
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        for p in layer.parameters():
+            p.grad = None
+    return times
+
+
+def layer_times(module: nn.Sequential, sample: TensorOrTensors, *, timeout: float = 1.0,
+                device: str | torch.device | None = None) -> list[float]:
+    """Seconds of forward+backward per layer on ``sample``: the median over repeated passes.
+
+    Each layer runs on its own, on the previous layer's output (detached, keeping ``requires_grad``), then
+    backward from a gradient of ones on its outputs that require grad. One untimed warm-up pass, then
+    passes until ``timeout`` seconds have gone (at least one); the median ignores passes in which another
+    process took the core. Runs on copies (:func:`sandbox`).
+    """
+    if timeout < 0:
+        raise ValueError(f"timeout must be non-negative seconds, got {timeout!r}")
+    dev = resolve_device(module, device)
+    with sandbox(module, dev) as layers:
+        _timed_pass(layers, sample, dev)
+        passes: list[list[float]] = []
+        start = time.perf_counter()
+        while not passes or time.perf_counter() - start < timeout:
+            passes.append(_timed_pass(layers, sample, dev))
+    return [statistics.median(per_layer) for per_layer in zip(*passes)]
+
+
+def storage_key(t: Tensor) -> tuple[str, int]:
+    """Identifies the memory behind a tensor (views of one storage share it)."""
+    try:
+        return str(t.device), t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage (sparse, nested)
+        return str(t.device), id(t)
+
+
+def storage_bytes(t: Tensor) -> int:
+    """Bytes of the storage behind a tensor (all of it, also for a view)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def param_bytes(layer: nn.Module) -> int:
+    """Bytes of the layer's parameters (shared ones once)."""
+    seen: dict[tuple[str, int], int] = {storage_key(p): storage_bytes(p) for p in layer.parameters()}
+    return sum(seen.values())
+
+
+def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, int]]) -> tuple[int, object]:
+    """Run ``layer`` counting the bytes autograd saves for backward: storages not counted before (``seen``),
+    not parameters or buffers."""
+    own = {storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        key = storage_key(t)
+        if key not in own and key not in seen:
+            seen.add(key)
+            total += storage_bytes(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(value)
+    return total, out
+
+
+def _allocated_bytes(layer: nn.Module, value: TensorOrTensors, device: torch.device) -> tuple[int, object]:
+    """Run ``layer`` on CUDA; the bytes allocated by its forward and still held after it."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    out = layer(value)
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) - before, out
+
+
+def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 1,  # noqa: A002
+                param_scale: float = 2.0, device: str | torch.device | None = None) -> list[int]:
+    """Bytes per layer: activations of one micro-batch plus ``param_scale`` times its parameter bytes.
+
+    ``input`` is a mini-batch; the first of its ``chunks`` micro-batches (``torch.chunk`` along dim 0) runs
+    forward through copies of the layers (:func:`sandbox`). Activations, on CUDA: the growth of
+    ``torch.cuda.memory_allocated`` across the layer's forward (its output and what autograd keeps). Elsewhere
+    (CPU): the bytes of the tensors autograd saves for backward, seen with
+    ``torch.autograd.graph.saved_tensors_hooks``, each storage counted once (by the first layer saving it)
+    and parameters and buffers left out. ``param_scale`` counts the copies of the parameters training keeps:
+    2 for the weights and their gradients (plain SGD), 3 with momentum, 4 for Adam.
+    """
+    if param_scale < 0:
+        raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
+    micro = microbatch.scatter(input, chunks)[0]
+    dev = resolve_device(module, device)
+    sizes, seen = [], set[tuple[str, int]]()
+    kept = []  # every layer's output (and so its saved tensors) stays alive: no memory is reused in the pass
+    with sandbox(module, dev) as layers:
+        value = _prepare(micro, dev, "input")
+        for j, layer in enumerate(layers):
+            if dev.type == "cuda":
+                activation, out = _allocated_bytes(layer, value, dev)
+            else:
+                activation, out = _saved_bytes(layer, value, seen)
+            sizes.append(int(activation + param_bytes(layer) * param_scale))
+            kept.append(out)
+            value = _detach(out, f"output of layer {j}")
+        del kept
+    return sizes

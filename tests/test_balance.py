@@ -1,0 +1,190 @@
+"""Balancing: the exact partition against brute force, the profilers, the sandbox, errors, Pipe(balance='time')."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from rrefpipe import Pipe
+from rrefpipe.balance import balance_by_size, balance_by_time, balance_cost, layer_sizes, layer_times, stage_costs
+from rrefpipe.balance.partition import solve
+from rrefpipe.partition import uniform_balance
+from tests.layers import Merge, Split, mlp
+
+
+def brute_force(costs: list[float], partitions: int) -> tuple[float, float]:
+    """Over every way to cut ``costs`` into ``partitions`` non-empty runs: the least maximum stage cost,
+    and the least sum of squared stage costs among the splits attaining it (up to rounding)."""
+    n = len(costs)
+    splits = []
+    for cuts in itertools.combinations(range(1, n), partitions - 1):
+        bounds = [0, *cuts, n]
+        splits.append([sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])])
+    best = min(max(split) for split in splits)
+    even = min(sum(c * c for c in split) for split in splits if max(split) <= best * (1 + 1e-9) + 1e-12)
+    return best, even
+
+
+def check_split(costs: list[float], partitions: int) -> list[int]:
+    balance = solve(costs, partitions)
+    assert len(balance) == partitions and all(b >= 1 for b in balance) and sum(balance) == len(costs)
+    return balance
+
+
+@pytest.mark.parametrize("kind", ["int", "float", "zeros"])
+def test_solve_equals_brute_force_on_random_cases(kind):
+    rng = random.Random(kind)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        partitions = rng.randint(1, n)
+        if kind == "int":
+            costs = [float(rng.randint(0, 20)) for _ in range(n)]
+        elif kind == "float":
+            costs = [rng.expovariate(1.0) for _ in range(n)]
+        else:  # many zero-cost layers (activations, reshapes)
+            costs = [rng.choice([0.0, 0.0, rng.random()]) for _ in range(n)]
+        balance = check_split(costs, partitions)
+        best, even = brute_force(costs, partitions)
+        found = stage_costs(costs, balance)
+        assert max(found) == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert sum(c * c for c in found) == pytest.approx(even, rel=1e-9, abs=1e-12)
+
+
+def test_solve_examples_and_ties():
+    assert solve([1, 1, 1, 1, 10], 2) == [4, 1]
+    assert solve([10, 1, 1, 10], 3) == [1, 2, 1]
+    assert solve([5], 1) == [1]
+    for n in range(1, 12):  # equal costs: the same split as uniform_balance
+        for partitions in range(1, n + 1):
+            assert solve([1.0] * n, partitions) == uniform_balance(n, partitions)
+    assert balance_cost([3, 1, 1, 1], 2) == [1, 3]
+
+
+def test_solve_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="more partitions than layers"):
+        solve([1, 2], 3)
+    with pytest.raises(ValueError, match="positive int"):
+        solve([1, 2], 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        solve([1, -2], 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        solve([1, float("nan")], 1)
+
+
+def model_with_state() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_profiling_leaves_the_model_and_rng_untouched(how, training):
+    model = model_with_state().train(training)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    sample = torch.randn(8, 6)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    if how == "time":
+        balance = balance_by_time(2, model, sample, timeout=0.05)
+    else:
+        balance = balance_by_size(2, model, sample, chunks=2)
+    assert sum(balance) == 5 and len(balance) == 2
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout ran on the copies without consuming our RNG
+    assert [m.training for m in model.modules()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for key in before:  # BatchNorm running statistics and the weights unchanged
+        assert torch.equal(before[key], after[key]), key
+
+
+def tuple_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), Split(), Merge(), nn.Linear(8, 3))
+
+
+def test_tuples_flow_through_profiling():
+    model = tuple_model()
+    x = torch.randn(8, 4)
+    assert len(layer_times(model, x, timeout=0.01)) == 4
+    balance = balance_by_time(3, model, x, timeout=0.01)
+    assert sum(balance) == 4 and len(balance) == 3
+    # bytes saved for backward, params left out: Linear keeps its 8x4 input; Split keeps nothing; Merge's
+    # a * b keeps a (a view of the 8x8 Linear output) and b (8x4); the last Linear keeps its 8x8 input
+    assert layer_sizes(model, x, param_scale=0) == [8 * 4 * 4, 0, 8 * 8 * 4 + 8 * 4 * 4, 8 * 8 * 4]
+    # a tuple as the model's own input, with a tensor that does not require grad
+    tuple_in = nn.Sequential(Merge(), nn.Linear(8, 2))
+    pair = (torch.randn(5, 4, requires_grad=True), torch.randn(5, 4))
+    assert balance_by_size(2, tuple_in, pair) == [1, 1]
+    assert len(layer_times(tuple_in, pair, timeout=0.01)) == 2
+
+
+def test_size_counts_activations_of_one_microbatch_and_scaled_parameters():
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 20))
+    x = torch.randn(8, 10)
+    # micro-batch of 4: Linear keeps its 4x10 input, ReLU its 4x20 output (which the next Linear reuses)
+    assert layer_sizes(model, x, chunks=2, param_scale=0) == [160, 320, 0]
+    params = [(10 * 20 + 20) * 4, 0, (20 * 20 + 20) * 4]
+    assert layer_sizes(model, x, chunks=2, param_scale=4) == [a + 4 * p for a, p in zip([160, 320, 0], params)]
+
+
+def test_size_separates_a_parameter_heavy_layer():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4), nn.Linear(4, 4))
+    assert balance_by_size(3, model, torch.randn(2, 4)) == [2, 1, 2]
+
+
+def test_time_isolates_a_layer_a_hundred_times_slower():
+    # ~10 ms against tens of microseconds for the rest together: the median per layer is robust to a
+    # pass in which another process took the core
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 4), *[nn.ReLU() for _ in range(3)])
+    assert balance_by_time(2, model, torch.randn(256, 1024), timeout=0.3) == [1, 4]
+
+
+def test_clear_errors():
+    model = mlp([4, 8, 4])  # 3 layers
+    with pytest.raises(ValueError, match="more partitions than layers"):
+        balance_by_time(4, model, torch.randn(2, 4))
+    with pytest.raises(ValueError, match="more partitions than layers"):
+        balance_by_size(4, model, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        balance_by_time(1, nn.Linear(4, 4), torch.randn(2, 4))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        balance_by_size(1, nn.Linear(4, 4), torch.randn(2, 4))  # type: ignore[arg-type]
+    model(torch.randn(2, 4)).sum().backward()
+    for fn in (balance_by_time, balance_by_size):
+        with pytest.raises(ValueError, match="already have gradients.*zero_grad"):
+            fn(2, model, torch.randn(2, 4))
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(TypeError, match="sample must be a Tensor"):
+        balance_by_time(2, model, "not a tensor")  # type: ignore[arg-type]
+
+
+def test_pipe_balance_argument_errors_before_any_worker_starts():
+    model = mlp([4, 8, 4])
+    with pytest.raises(ValueError, match="sample="):
+        Pipe(model, balance="time", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="devices=.*workers="):
+        Pipe(model, balance="size", sample=torch.randn(4, 4))
+    with pytest.raises(ValueError, match="'time' or 'size'"):
+        Pipe(model, balance="memory", sample=torch.randn(4, 4), devices=["cpu"])
+    with pytest.raises(ValueError, match="more partitions than layers"):
+        Pipe(model, balance="time", sample=torch.randn(4, 4), devices=["cpu"] * 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_pipe_balances_itself_and_stays_transparent(cluster, how):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 512), nn.Linear(512, 4), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    with Pipe(model, chunks=2, balance=how, sample=x, workers=cluster.names[:3]) as pipe:
+        assert len(pipe.balance) == 3 and sum(pipe.balance) == 5
+        if how == "size":  # the same measurement as the function, on one micro-batch of the sample
+            assert pipe.balance == balance_by_size(3, model, x, chunks=2) == [3, 1, 1]
+        with dist_autograd.context():
+            out = pipe(x).local_value()
+    torch.testing.assert_close(out, model(x))

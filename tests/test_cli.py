@@ -1,0 +1,65 @@
+"""``python -m rrefpipe``: every flag explained in --help; the timeline command writes both files."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from rrefpipe.__main__ import main
+from tests.conftest import ROOT
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "rrefpipe", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"python -m rrefpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def options_without_help(text: str) -> list[str]:
+    """Option lines of an argparse --help with no explanation beside or below them."""
+    lines = text.splitlines()
+    options = lines[next(i for i, line in enumerate(lines) if line.startswith("options:")) + 1:]
+    bare = []
+    for k, line in enumerate(options):
+        m = re.match(r"^  (-[-\w]+(?: [A-Z_{},\w]+)?(?:, -[-\w]+(?: [A-Z_]+)?)?)(\s{2,}\S.*)?$", line)
+        if m and not m.group(2):
+            below = options[k + 1] if k + 1 < len(options) else ""
+            if not below.startswith(" " * 8) or below.strip().startswith("-"):
+                bare.append(m.group(1))
+    return bare
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["tutorial"], ["timeline"]])
+def test_help_explains_every_flag(command):
+    text = cli(*command, "--help").stdout
+    assert "usage:" in text
+    assert options_without_help(text) == []
+    if not command:
+        for name in ("demo", "tutorial", "timeline"):
+            assert name in text
+
+
+def test_unknown_arguments_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        main(["timeline", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_timeline_command_writes_json_and_png_and_redraws(tmp_path):
+    prefix = tmp_path / "tl"
+    out = cli("timeline", "--out", str(prefix), "--stages", "2", "--chunks", "3", "--steps", "2", "--width", "64",
+              "--batch-size", "48").stdout
+    assert "tl.json" in out and "tl.png" in out
+    spans = [e for e in json.loads((tmp_path / "tl.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in spans}) == [0, 1]
+    assert sum(e["cat"] == "forward" for e in spans) == 2 * 3  # the last step only
+    assert Image.open(tmp_path / "tl.png").size == (1200, round((1.2 + 0.55 * 2) * 100))
+    cli("timeline", "--from-json", str(tmp_path / "tl.json"), "--out", str(tmp_path / "again"))
+    assert Image.open(tmp_path / "again.png").size == (1200, 230)
