@@ -7,6 +7,7 @@ back here (``deliver``), or keeps them when the pipe's output should stay on the
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import cloudpickle
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
@@ -132,6 +134,10 @@ class RemoteDriver:
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
         batches = microbatch.scatter(value, self.chunks)
+        for t in (value,) if isinstance(value, Tensor) else value:
+            if t.device.type != "cpu":
+                raise ValueError(f"Pipe input is on {t.device}; stage workers receive the input from this process's "
+                                 "CPU memory: pass CPU tensors (the first stage moves them to its device)")
         grad_enabled = torch.is_grad_enabled() and _rpc.current_context_id() is not None
         if torch.is_grad_enabled() and not grad_enabled and training and not self._warned_no_context:
             self._warned_no_context = True
@@ -162,6 +168,43 @@ class RemoteDriver:
             raise RuntimeError(f"pipe {self.pipe_id}: outputs of micro-batches {missing} never arrived")
         return rpc.RRef(microbatch.gather(outputs))  # type: ignore[arg-type]
 
+    def backward(self, context_id: int, losses: list[Tensor]) -> None:
+        """``dist_autograd.backward`` whose failures name the stage and worker."""
+        try:
+            dist_autograd.backward(context_id, losses)
+        except RuntimeError as exc:
+            raise self._explain(exc, "backward") from exc
+
+    def _explain(self, exc: BaseException, phase: str) -> BaseException:
+        """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
+        StageError naming the stage; probe the stage workers when the text names none."""
+        text = str(exc)
+        matches = list(_NODE.finditer(text))
+        names = _rpc.worker_names()
+        message = text[matches[-1].end():] if matches else text
+        for match in reversed(matches):
+            node = int(match.group(1))
+            if node < len(names) and names[node] in self.workers:
+                j = self.workers.index(names[node])
+                try:
+                    recorded = rpc.rpc_sync(names[node], server.backward_failure, args=(self.pipe_id, j), timeout=5)
+                except Exception:
+                    recorded = None
+                if recorded is not None:
+                    return recorded.to_exception()
+                where = _STAGE_MESSAGE.match(message)
+                if where:
+                    return Failure(j, names[node], int(where["i"]) if where["i"] else None, where["phase"],
+                                   where["type"], where["message"], text).to_exception()
+                return Failure(j, names[node], None, phase, "Error", message, text).to_exception()
+        for j, worker in enumerate(self.workers):
+            try:
+                rpc.rpc_sync(worker, server._noop, timeout=2)
+            except Exception:
+                return Failure(j, worker, None, phase, "WorkerError", f"the worker is unreachable ({message})", text,
+                               transport=True).to_exception()
+        return exc
+
     def _run(self, meta: StepMeta, batches: list[TensorOrTensors]) -> None:
         first = self.workers[0]
         futures = []
@@ -180,6 +223,11 @@ class RemoteDriver:
                 failures.append(status)
         if failures:
             raise _first_cause(failures)
+
+
+_NODE = re.compile(r"Error on Node (\d+): ")
+_STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>\d+))? failed in (?P<phase>\w+): "
+                            r"(?P<type>\w+): (?P<message>.*)", re.DOTALL)
 
 
 def _first_cause(failures: list[Failure]) -> StageError:

@@ -6,6 +6,7 @@ turns it back into a :class:`StageError` chained to the original exception.
 """
 from __future__ import annotations
 
+import builtins
 import pickle
 import traceback
 from dataclasses import dataclass
@@ -79,10 +80,26 @@ class Failure:
         )
 
     def to_exception(self) -> StageError:
-        kind = WorkerError if self.transport else StageError
+        kind = WorkerError if self.transport else _with_original_type(StageError, self.error_type)
         error = kind(
             self.stage, self.worker, self.microbatch, self.phase, self.error_type, self.message,
             self.remote_traceback,
         )
         error.__cause__ = self.original
         return error
+
+
+# Builtin errors a stage error also *is*, so ``except TypeError`` around a pipe call still works.
+_MIRRORED = (TypeError, ValueError, IndexError, ArithmeticError, ZeroDivisionError, AssertionError,
+             NotImplementedError, AttributeError, LookupError)
+_mirrors: dict[str, type[StageError]] = {}
+
+
+def _with_original_type(base: type[StageError], error_type: str) -> type[StageError]:
+    """``StageError`` subclassing the original builtin error type, when it is one of ``_MIRRORED``."""
+    original = getattr(builtins, error_type, None)
+    if original not in _MIRRORED:
+        return base
+    if error_type not in _mirrors:
+        _mirrors[error_type] = type(f"Stage{error_type}", (base, original), {"__module__": __name__})
+    return _mirrors[error_type]

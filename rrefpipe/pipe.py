@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -153,15 +154,16 @@ class Pipe(nn.Module):
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
         n = len(specs)
-        if not _rpc.is_initialized():
-            if workers:
-                raise ValueError(f"workers {list(workers)} named, but RPC is not initialised: call rpc.init_rpc "
-                                 "(or launch with torchrun) first, or leave workers out to start local ones")
-            from workers import LocalWorkers
+        from workers.launch import acquire_embedded, embedded_running
 
-            local = LocalWorkers(n, devices=[str(d) for d in devices] if any(d.type == "cuda" for d in devices)
-                                 else None, rpc_timeout=self.rpc_timeout).start()
-            self._local_workers, workers = local, local.names
+        if workers is None and (embedded_running() or not _rpc.is_initialized()):
+            cuda = any(d.type == "cuda" for d in devices)
+            local = acquire_embedded(n, devices=[str(d) for d in devices] if cuda else None,
+                                     rpc_timeout=self.rpc_timeout)
+            self._local_workers, workers = local, local.names[:n]
+        elif not _rpc.is_initialized():
+            raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
+                             "(or launch with torchrun) first, or leave workers out to start local ones")
         else:
             known = [w for w in _rpc.worker_names() if w != _rpc.self_name()]
             if workers is None:
@@ -192,6 +194,18 @@ class Pipe(nn.Module):
         ``dist_autograd.context()`` and call ``dist_autograd.backward(ctx, [loss])``.
         """
         return self._driver.forward(input, training=self.training)
+
+    def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
+        """``dist_autograd.backward(context_id, [loss])``, with failures that name the stage and worker.
+
+        Plain ``dist_autograd.backward`` works as well, but its errors carry only text ("Error on Node
+        2: ...") or a bare "EOF" when a worker died.
+        """
+        losses = [loss] if isinstance(loss, Tensor) else list(loss)
+        if isinstance(self._driver, RemoteDriver):
+            self._driver.backward(context_id, losses)
+        else:
+            dist_autograd.backward(context_id, losses)
 
     def train(self, mode: bool = True) -> Pipe:
         super().train(mode)
@@ -264,7 +278,9 @@ class Pipe(nn.Module):
 
     def _stop_local_workers(self) -> None:
         if self._local_workers is not None:
-            self._local_workers.close()
+            from workers.launch import release_embedded
+
+            release_embedded(self._local_workers)
             self._local_workers = None
 
     def __enter__(self) -> Pipe:

@@ -346,6 +346,12 @@ def events(pipe_id: str, index: int, clear: bool) -> list[Event]:
     return _server(pipe_id, index).stage.recorder.snapshot(clear)
 
 
+def backward_failure(pipe_id: str, index: int) -> Failure | None:
+    """The latest failure this stage recorded while backward ran on it (then forgotten)."""
+    failures = _server(pipe_id, index).stage.backward_failures
+    return failures.pop() if failures else None
+
+
 def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     """Tensors and bytes this stage received, by kind ('activation' or 'skip')."""
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}

@@ -5,15 +5,18 @@ Transport-free, so the same code runs on an RPC stage worker and in the driver's
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import _StopRecomputationError
 
 from . import microbatch
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import is_recomputing, run_checkpointed
+from .errors import Failure
 from .dependency import after_parameter_grads, fork, join, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
@@ -82,6 +85,7 @@ class Stage:
         self.routes = SkipRoutes({}, frozenset())
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._backward_starts: dict[tuple[int, int], float] = {}
+        self.backward_failures: deque[Failure] = deque(maxlen=16)
 
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
@@ -148,7 +152,19 @@ class Stage:
             again = is_recomputing()
             router = StageRouter(self.routes, received, recomputing=again)
             with self.recorder.span("recompute" if again else "forward", step, i), use_tracker(router):
-                out = self.module(value)
+                try:
+                    out = self.module(value)
+                except _StopRecomputationError:
+                    raise  # checkpoint's own signal that recomputation went far enough
+                except Exception as exc:
+                    if not again:
+                        raise
+                    # Raised inside backward, where distributed autograd keeps at most the text (from a
+                    # saved-tensor hook, only "python_error"): keep the whole story for the driver to ask.
+                    self.backward_failures.append(Failure.capture(
+                        exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
+                    raise RuntimeError(f"stage {self.index} on worker {self.worker!r}, micro-batch {i} failed in "
+                                       f"recompute: {type(exc).__name__}: {exc}") from exc
             if not again:
                 outgoing.update(router.outgoing)
             return out

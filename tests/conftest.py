@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+_surfacing: list[tuple[str, str, float]] = []
+
+
+def record_surfacing(test: str, what: str, seconds: float) -> None:
+    """Note how long a fault took to surface; printed at the end of the run."""
+    _surfacing.append((test, what, seconds))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _surfacing:
+        terminalreporter.section("fault surfacing times")
+        for test, what, seconds in _surfacing:
+            terminalreporter.write_line(f"{test:<48} {what:<34} {seconds * 1000:8.1f} ms")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[object]:
     """Four local stage workers, with this pytest process as the driver, for the whole session."""

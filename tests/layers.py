@@ -145,3 +145,58 @@ def residual_model(width: int = 8, blocks: int = 3, seed: int = 0) -> nn.Sequent
         layers += [StashInput().isolate(ns), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
                    PopAdd().isolate(ns)]
     return nn.Sequential(*layers)
+
+
+# -- faults ----------------------------------------------------------------------------------------
+import os  # noqa: E402
+import signal  # noqa: E402
+
+from rrefpipe.checkpoint import is_recomputing  # noqa: E402
+
+
+class DieInForward(nn.Module):
+    """SIGKILLs its own worker process in the middle of a forward pass."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ValueError("gradient of the wrong shape")
+
+
+class DieInBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _DieInBackward.apply(x)
+
+
+class RaiseInBackward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _RaiseInBackward.apply(x)
+
+
+class RaiseInRecompute(nn.Module):
+    """Fine in forward; raises when checkpointing recomputes it in backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_recomputing():
+            raise IndexError("only on recompute")
+        return torch.tanh(x)  # saves its output, so backward needs the recomputation

@@ -20,7 +20,7 @@ import torch.distributed.rpc as rpc
 
 from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options
 
-__all__ = ["LocalWorkers", "free_port"]
+__all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running"]
 
 _live: set[LocalWorkers] = set()
 _live_lock = threading.Lock()
@@ -161,6 +161,38 @@ class LocalWorkers:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.close()
+
+
+_embedded: LocalWorkers | None = None
+
+
+def acquire_embedded(num_workers: int, *, devices: Sequence[str] | None, rpc_timeout: float) -> LocalWorkers:
+    """The process's embedded workers: started by the first pipe that needs them, shared by later ones
+    (counted), so closing one pipe never stops another's stages."""
+    global _embedded
+    if _embedded is not None and _embedded.running:
+        if num_workers > _embedded.num_workers:
+            raise ValueError(f"this pipe needs {num_workers} local stage workers, but another open pipe started "
+                             f"{_embedded.num_workers}: close it first, or start workers.LocalWorkers({num_workers}) "
+                             "yourself and pass workers=")
+        if devices is not None and list(devices) != (_embedded.devices or [])[:num_workers]:
+            raise ValueError(f"the local workers of another open pipe use devices {_embedded.devices}, this pipe "
+                             f"asks for {list(devices)}: close it first")
+    else:
+        _embedded = LocalWorkers(num_workers, devices=devices, rpc_timeout=rpc_timeout).start()
+    _embedded.refs += 1
+    return _embedded
+
+
+def embedded_running() -> bool:
+    return _embedded is not None and _embedded.running
+
+
+def release_embedded(workers: LocalWorkers) -> None:
+    """A pipe is done with the embedded workers; the last one out stops them."""
+    workers.refs -= 1
+    if workers.refs <= 0:
+        workers.close()
 
 
 @atexit.register

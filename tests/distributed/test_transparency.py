@@ -34,7 +34,7 @@ def check_transparent(pipe, model, x):
 
 def pipe_grads(pipe, ctx):
     """Each stage parameter's gradient in ``ctx``, keyed by its name in the plain model."""
-    from tests.distributed.grads import stage_gradients
+    from tests.distributed.probes import stage_gradients
 
     return stage_gradients(pipe, ctx)
 

@@ -22,3 +22,29 @@ def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     for j, worker in enumerate(driver.workers):
         out.update(rpc.rpc_sync(worker, _named_grads, args=(driver.pipe_id, j, context_id)))
     return out
+
+
+def counts() -> dict[str, int]:
+    """What a process holds: stages, RRefs, autograd contexts, RPC calls in flight, Python threads."""
+    import threading
+
+    from rrefpipe.server import _servers
+
+    rrefs = rpc._rref_context_get_debug_info()
+    agent = rpc.api._get_current_rpc_agent().get_debug_info()
+    return {
+        "stages": len(_servers),
+        "owner_rrefs": int(rrefs["num_owner_rrefs"]),
+        "pending_users": int(rrefs["num_pending_users"]),
+        "contexts": int(dist_autograd._get_debug_info()["num_autograd_contexts"]),
+        "active_calls": int(agent["agent.server_active_calls"]) + int(agent["agent.client_active_calls"]),
+        "threads": threading.active_count(),
+    }
+
+
+def all_counts(names: list[str]) -> dict[str, dict[str, int]]:
+    """``counts()`` of this process and of every named worker."""
+    out = {"driver": counts()}
+    for name in names:
+        out[name] = rpc.rpc_sync(name, counts)
+    return out

@@ -1,0 +1,39 @@
+"""A pipe created, trained and closed 20 times: nothing accumulates (stages, RRefs, contexts, threads)."""
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch.distributed.optim import DistributedOptimizer
+
+from rrefpipe import Pipe
+from tests.distributed.probes import all_counts
+from tests.layers import mlp
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _train_once(names: list[str]) -> None:
+    model = mlp([6, 8, 3], seed=0)
+    with Pipe(model, chunks=2, checkpoint="always", balance=[2, 1], workers=names[:2]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        for _ in range(2):
+            with dist_autograd.context() as ctx:
+                loss = F.cross_entropy(pipe(torch.randn(4, 6)).local_value(), torch.tensor([0, 1, 2, 0]))
+                pipe.backward(ctx, loss)
+                opt.step(ctx)
+
+
+def test_twenty_create_use_close_cycles_leak_nothing(cluster):
+    _train_once(cluster.names)  # warm: first-use allocations are not leaks
+    before = all_counts(cluster.names)
+    for _ in range(20):
+        _train_once(cluster.names)
+    after = all_counts(cluster.names)
+    for process in before:
+        b, a = before[process], after[process]
+        assert a["stages"] == b["stages"] == 0, process
+        assert a["contexts"] == 0, process
+        # in flight at any moment: at most each worker's liveness ping and this probe; nothing piles up
+        assert a["active_calls"] <= len(cluster.names) + 1, (process, b, a)
+        assert a["owner_rrefs"] <= b["owner_rrefs"] + 2, (process, b, a)  # freed asynchronously, no growth
+        assert a["threads"] <= b["threads"] + 2, (process, b, a)

@@ -1,0 +1,136 @@
+"""Faults: nothing hangs, the cause is named, the time to surface is recorded (see the run's summary)."""
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import record_surfacing, run_script
+
+pytestmark = pytest.mark.timeout(120)
+
+PRELUDE = """
+import time, torch, torch.distributed.autograd as dist_autograd
+from torch import nn
+from rrefpipe import Pipe, StageError, WorkerError
+from tests import layers
+def report(**kv):
+    for k, v in kv.items():
+        print(f"{k}={v}")
+"""
+
+
+def _values(out: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line and not line.startswith("["))
+
+
+def _run(name: str, body: str) -> dict[str, str]:
+    values = _values(run_script(PRELUDE + textwrap.dedent(body)).stdout)
+    assert values, "the script reported nothing"
+    for key in ("surfaced", "closed", "exited"):
+        if key in values:
+            record_surfacing(name, key, float(values[key]))
+    return values
+
+
+def test_worker_killed_during_forward():
+    v = _run("worker killed during forward", """
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layers.DieInForward(), nn.Linear(4, 4)), chunks=2,
+                    balance=[1, 1, 1], rpc_timeout=30)
+        t = time.monotonic()
+        try:
+            with dist_autograd.context():
+                pipe(torch.randn(4, 4))
+        except WorkerError as exc:
+            report(stage=exc.stage, worker=exc.worker, surfaced=time.monotonic() - t)
+        t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
+    """)
+    assert (v["stage"], v["worker"]) == ("1", "worker2")
+    assert float(v["surfaced"]) < 5 and float(v["closed"]) < 15
+
+
+def test_worker_killed_during_backward():
+    v = _run("worker killed during backward", """
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layers.DieInBackward(), nn.Linear(4, 4)), chunks=2,
+                    balance=[1, 1, 1], rpc_timeout=30)
+        t = time.monotonic()
+        try:
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+        except WorkerError as exc:
+            report(stage=exc.stage, worker=exc.worker, phase=exc.phase, surfaced=time.monotonic() - t)
+        t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
+    """)
+    assert (v["stage"], v["worker"], v["phase"]) == ("1", "worker2", "backward")
+    assert float(v["surfaced"]) < 10 and float(v["closed"]) < 15
+
+
+@pytest.mark.parametrize("layer, checkpoint, expected", [
+    ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
+    ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
+])
+def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, checkpoint, expected):
+    v = _run(f"stage raising in {expected[0]}", f"""
+        model = nn.Sequential(nn.Linear(4, 4), layers.{layer}(), nn.Linear(4, 4))
+        pipe = Pipe(model, chunks=2, checkpoint="{checkpoint}", balance=[1, 1, 1])
+        t = time.monotonic()
+        try:
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+        except StageError as exc:
+            report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
+                   message=exc.error_message, surfaced=time.monotonic() - t)
+        with torch.no_grad():  # the same pipe keeps working
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        report(next_step="ok")
+        pipe.close()
+    """)
+    assert (v["stage"], v["worker"]) == ("1", "worker2")
+    assert (v["phase"], v["type"], v["message"]) == expected
+    assert v["next_step"] == "ok"
+
+
+def test_interpreter_exit_with_a_dead_worker_is_prompt():
+    start = time.monotonic()
+    v = _run("exit with a dead worker", """
+        import os, signal
+        pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), balance=[1, 1])
+        os.kill(pipe._local_workers.pids[0], signal.SIGKILL)
+        report(pids=" ".join(map(str, pipe._local_workers.pids)))
+        # no close(): the atexit hook must still return promptly
+    """)
+    exited = time.monotonic() - start
+    record_surfacing("exit with a dead worker", "exited (whole script)", exited)
+    from tests.conftest import pid_alive
+
+    assert exited < 60
+    assert not any(pid_alive(int(p)) for p in v["pids"].split())
+
+
+def test_two_pipes_share_the_embedded_workers():
+    v = _run("two pipes in one process", """
+        a_model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+        b_model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
+        a = Pipe(a_model, chunks=2, balance=[1, 1])
+        b = Pipe(b_model, chunks=3, balance=[2, 1])
+        assert a._local_workers is b._local_workers
+        x = torch.randn(6, 3)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(a(x).local_value(), a_model(x))
+                torch.testing.assert_close(b(x).local_value(), b_model(x))
+            pids = b._local_workers.pids
+            a.close()                                   # b keeps its workers
+            torch.testing.assert_close(b(x).local_value(), b_model(x))
+        try:
+            Pipe(nn.Sequential(*[nn.Linear(3, 3) for _ in range(3)]), balance=[1, 1, 1])
+        except ValueError as exc:
+            report(too_many=str(exc))
+        b.close()
+        from tests.conftest import pid_alive
+        report(workers_left=sum(pid_alive(p) for p in pids))
+    """)
+    assert "needs 3 local stage workers, but another open pipe started 2" in v["too_many"]
+    assert v["workers_left"] == "0"
