@@ -34,25 +34,11 @@ def _run(name: str, body: str) -> dict[str, str]:
     return values
 
 
-def test_worker_killed_during_forward():
-    v = _run("worker killed during forward", """
-        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layers.DieInForward(), nn.Linear(4, 4)), chunks=2,
-                    balance=[1, 1, 1], rpc_timeout=30)
-        t = time.monotonic()
-        try:
-            with dist_autograd.context():
-                pipe(torch.randn(4, 4))
-        except WorkerError as exc:
-            report(stage=exc.stage, worker=exc.worker, surfaced=time.monotonic() - t)
-        t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
-    """)
-    assert (v["stage"], v["worker"]) == ("1", "worker2")
-    assert float(v["surfaced"]) < 5 and float(v["closed"]) < 15
-
-
-def test_worker_killed_during_backward():
-    v = _run("worker killed during backward", """
-        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layers.DieInBackward(), nn.Linear(4, 4)), chunks=2,
+@pytest.mark.parametrize("phase, layer", [("forward", "DieInForward"), ("backward", "DieInBackward")])
+def test_worker_killed_during_a_step(phase, layer):
+    """The stage-1 worker SIGKILLs itself mid-forward or mid-backward: its name comes back at once."""
+    v = _run(f"worker killed during {phase}", f"""
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layers.{layer}(), nn.Linear(4, 4)), chunks=2,
                     balance=[1, 1, 1], rpc_timeout=30)
         t = time.monotonic()
         try:
@@ -62,7 +48,8 @@ def test_worker_killed_during_backward():
             report(stage=exc.stage, worker=exc.worker, phase=exc.phase, surfaced=time.monotonic() - t)
         t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
     """)
-    assert (v["stage"], v["worker"], v["phase"]) == ("1", "worker2", "backward")
+    assert (v["stage"], v["worker"]) == ("1", "worker2")
+    assert v["phase"].startswith(phase)
     assert float(v["surfaced"]) < 10 and float(v["closed"]) < 15
 
 
