@@ -106,6 +106,7 @@ class Pipe(nn.Module):
         if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
             if workers:
                 raise ValueError(f"workers {list(workers)} named, but this RPC group has only this process")
+            _check_local_devices(stage_devices)
             self.partitions = nn.ModuleList(stages)
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
@@ -157,6 +158,7 @@ class Pipe(nn.Module):
         from workers.launch import acquire_embedded, embedded_running
 
         if workers is None and (embedded_running() or not _rpc.is_initialized()):
+            _check_local_devices(devices)
             cuda = any(d.type == "cuda" for d in devices)
             local = acquire_embedded(n, devices=[str(d) for d in devices] if cuda else None,
                                      rpc_timeout=self.rpc_timeout)
@@ -320,10 +322,15 @@ def _devices(devices: Sequence[str | torch.device] | None, count: int | None) ->
             raise ValueError(f"invalid device {d!r}: {exc}") from None
     if count is not None and len(out) != count:
         raise ValueError(f"{len(out)} devices given for {count} stages")
-    for d in out:
-        if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
-            raise ValueError(f"device {d} does not exist here ({torch.cuda.device_count()} CUDA devices)")
     return out
+
+
+def _check_local_devices(devices: Sequence[torch.device]) -> None:
+    """Stages on this host (in-process or local workers): their devices must exist here. Remote
+    workers check their own (the driver may have no GPU)."""
+    for d in devices:
+        if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+            raise ValueError(f"device {d} does not exist on this host ({torch.cuda.device_count()} CUDA devices)")
 
 
 def _on_cpu(stage: nn.Sequential) -> nn.Sequential:

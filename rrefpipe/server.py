@@ -58,6 +58,13 @@ def _built(spec: StageSpec) -> nn.Sequential:
     return nn.Sequential(OrderedDict((str(spec.layer_offset + k), layer) for k, layer in enumerate(layers)))
 
 
+def _check_device(device: torch.device) -> None:
+    """The stage's device must exist on this worker (the driver may have no GPU at all)."""
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {device} does not exist on worker {rpc.get_worker_info().name!r} "
+                         f"({torch.cuda.device_count()} CUDA devices)")
+
+
 @dataclass
 class _Job:
     """Everything micro-batch ``i`` needs on this stage; runnable once ``arrived`` and all skips are in."""
@@ -81,6 +88,7 @@ class StageServer:
     """Runs one stage's micro-batches in order and sends outputs and skips where they go next."""
 
     def __init__(self, pipe_id: str, spec: StageSpec) -> None:
+        _check_device(torch.device(spec.device))
         module = spec.module if spec.module is not None else _built(spec)
         self.pipe_id = pipe_id
         self.spec = spec

@@ -35,3 +35,16 @@ def test_device_maps_parse_and_reach_the_options():
     assert "worker2" in options.device_maps
     with pytest.raises(ValueError, match="PEER=SRC>DST"):
         parse_device_map(["worker2:cuda:0"])
+
+
+def test_local_workers_map_each_device_to_every_later_worker():
+    """Activations go to the next worker, skips to any later one: every later peer needs a device map."""
+    from workers import LocalWorkers
+
+    local = LocalWorkers(3, devices=["cuda:0", "cuda:1", "cuda:2"])
+    args = local._device_args(0)
+    assert args == ["--device", "cuda:0", "--device-map", "worker2=cuda:0>cuda:1",
+                    "--device-map", "worker3=cuda:0>cuda:2"]
+    assert local._device_args(2) == ["--device", "cuda:2"]
+    parsed = parse_args(["--rank", "1", "--world-size", "4", "--master-port", "1", *args])
+    assert parse_device_map(parsed.device_map) == {"worker2": {"cuda:0": "cuda:1"}, "worker3": {"cuda:0": "cuda:2"}}

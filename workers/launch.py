@@ -37,7 +37,7 @@ class LocalWorkers:
     """Start ``num_workers`` stage workers on this host and join their RPC group as the driver.
 
     ``devices`` (one per worker, e.g. ``["cuda:0", "cuda:1"]``) sets each worker's TensorPipe device
-    map so that worker k sends its device's tensors straight to worker k+1's device. Everything binds
+    map so that worker k sends its device's tensors straight to every later worker's device. Everything binds
     to 127.0.0.1: RPC unpickles what peers send, so the group is reachable from this host only.
 
     Use as a context manager, or call :meth:`close`; workers are also stopped at interpreter exit.
@@ -118,8 +118,8 @@ class LocalWorkers:
         if self.devices is None:
             return []
         args = ["--device", self.devices[k]]
-        if k + 1 < self.num_workers:
-            args += ["--device-map", f"{self.names[k + 1]}={self.devices[k]}>{self.devices[k + 1]}"]
+        for later in range(k + 1, self.num_workers):  # activations to the next stage, skips to any later one
+            args += ["--device-map", f"{self.names[later]}={self.devices[k]}>{self.devices[later]}"]
         return args
 
     def close(self) -> None:
