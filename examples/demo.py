@@ -35,6 +35,36 @@ def dataset(n: int, classes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return centres[y] + torch.randn(n, 20, generator=g), y
 
 
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def train_pipe(pipe: Pipe, batches: Batches, lr: float, log_every: int) -> tuple[float, float]:
+    """SGD with momentum through the pipe (the classic dist-autograd loop); returns (last loss, seconds)."""
+    opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=lr, momentum=0.9)
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(batches, 1):
+        with dist_autograd.context() as ctx:
+            loss = F.cross_entropy(pipe(x).local_value(), y)
+            pipe.backward(ctx, loss)
+            opt.step(ctx)
+        if step % log_every == 0 or step == 1:
+            rate = step * len(x) / (time.perf_counter() - start)
+            print(f"step {step:4d}  loss {loss.item():.4f}  {rate:8.1f} samples/s", flush=True)
+    del opt  # its parameter RRefs go before any RPC group stops
+    return loss.item(), time.perf_counter() - start
+
+
+def train_plain(model: nn.Module, batches: Batches, lr: float) -> float:
+    """The same training in plain PyTorch, for comparison; returns the last loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = local worker processes")
@@ -58,31 +88,15 @@ def main() -> None:
         print("stages:")
         for stage in pipe.stages:
             print(f"  {stage}")
-        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=args.lr, momentum=0.9)
-        start = time.perf_counter()
-        for step, (x, y) in enumerate(batches, 1):
-            with dist_autograd.context() as ctx:
-                loss = F.cross_entropy(pipe(x).local_value(), y)
-                dist_autograd.backward(ctx, [loss])
-                opt.step(ctx)
-            if step % max(1, args.steps // 10) == 0 or step == 1:
-                rate = step * args.batch_size / (time.perf_counter() - start)
-                print(f"step {step:4d}  loss {loss.item():.4f}  {rate:8.1f} samples/s")
-        elapsed = time.perf_counter() - start
+        loss, elapsed = train_pipe(pipe, batches, args.lr, log_every=max(1, args.steps // 10))
         pipe.eval()
         with torch.no_grad():
             accuracy = (pipe(x_all[:1024]).local_value().argmax(1) == y_all[:1024]).float().mean().item()
 
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
-    for x, y in batches:
-        plain_opt.zero_grad()
-        plain_loss = F.cross_entropy(plain(x), y)
-        plain_loss.backward()
-        plain_opt.step()
+    plain_loss = train_plain(plain, batches, args.lr)
     print(f"pipeline: {args.steps} steps in {elapsed:.2f}s, {args.steps * args.batch_size / elapsed:.1f} samples/s, "
-          f"final loss {loss.item():.4f}, train accuracy {accuracy:.3f}")
-    print(f"plain PyTorch, same seed: final loss {plain_loss.item():.4f} "
-          f"(difference {abs(plain_loss.item() - loss.item()):.2e})")
+          f"final loss {loss:.4f}, train accuracy {accuracy:.3f}")
+    print(f"plain PyTorch, same seed: final loss {plain_loss:.4f} (difference {abs(plain_loss - loss):.2e})")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from .network import configure_interface
 from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, parse_device_map
 from .serve import serve
 
@@ -29,8 +30,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"), help="rendezvous port (env MASTER_PORT)")
     p.add_argument("--name", help="worker name (default worker<rank>)")
     p.add_argument("--driver", default="driver", help="name of the driver to watch (default: driver)")
-    p.add_argument("--interface", help="network interface to bind and advertise (sets TP_SOCKET_IFNAME and "
-                   "GLOO_SOCKET_IFNAME); default: loopback when the master is local")
+    p.add_argument("--interface", metavar="NAME_OR_ADDRESS",
+                   help="network interface to bind and advertise, or an address of this host (the interface holding "
+                   "it); sets TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME. Default: lo when the master is loopback, else "
+                   "TP_SOCKET_IFNAME if set, else TensorPipe's guess (with a warning)")
     p.add_argument("--threads", type=int, help="intra-op threads for this worker (torch.set_num_threads)")
     p.add_argument("--num-worker-threads", type=int, default=16, help="RPC thread pool size")
     p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT, help="seconds per RPC")
@@ -51,10 +54,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
-    interface = args.interface or ("lo" if args.master_addr.startswith("127.") or args.master_addr == "localhost" else None)
-    if interface:
-        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    try:
+        configure_interface(args.interface, args.master_addr, who=f"worker rank {args.rank}")
+    except ValueError as exc:
+        raise SystemExit(f"python -m workers: {exc}") from None
     options = backend_options(
         num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout,
         transports=args.transport or LOCAL_TRANSPORTS,

@@ -49,14 +49,20 @@ def serve(
     ping_interval: float = 2.0,
     watch_stdin: bool = False,
     threads: int | None = None,
+    rpc_timeout: float | None = None,
 ) -> None:
-    """Serve stages as RPC worker ``name`` until stopped or orphaned."""
+    """Serve stages as RPC worker ``name`` until stopped or orphaned.
+
+    ``options.rpc_timeout`` applies while joining the group; ``rpc_timeout``, if given, from then on.
+    """
     if threads:
         torch.set_num_threads(threads)
     from rrefpipe.checkpoint import warm_up
 
     warm_up()
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rpc_timeout is not None:
+        rpc._set_rpc_timeout(rpc_timeout)
     if watch_stdin:
         threading.Thread(target=_watch_stdin, name="rrefpipe-stdin-watch", daemon=True).start()
     misses = 0

@@ -1,0 +1,96 @@
+"""The training script of the multi-host tests: one script for every rank, as a user would write it.
+
+Under ``torchrun`` every node runs it: rank 0 drives, other ranks serve stages inside
+``workers.torchrun_group``. Against ``python -m workers`` stage workers it runs as rank 0 only (RANK=0 and
+the rest set by the test). Rank 0 trains a few SGD steps of an MLP through a ``Pipe`` over all stage
+workers and checks, at every step, the output, the input's gradient and every parameter's gradient against
+the same model trained in this process (``torch.testing.assert_close``); at the end the pipe's state dict
+against the plain model's. It prints one line ``RESULT {json}`` with what was sent, for byte-counter checks.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import DistributedOptimizer
+
+import workers
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--interface", help="network interface (or address) to bind")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--features", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--rpc-timeout", type=float, default=60)
+    return p.parse_args()
+
+
+def balance(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (j < extra) for j in range(stages)]
+
+
+def main() -> None:
+    args = parse_args()
+    with workers.torchrun_group(interface=args.interface, rpc_timeout=args.rpc_timeout, threads=1) as stage_workers:
+        from rrefpipe import Pipe
+        from tests.distributed.probes import stage_gradients
+
+        torch.manual_seed(0)
+        b, f, h, c = args.batch, args.features, args.hidden, args.classes
+        model = nn.Sequential(nn.Linear(f, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, c))
+        reference = copy.deepcopy(model)
+        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        start = time.monotonic()
+        with Pipe(model, chunks=args.chunks, balance=balance(len(model), len(stage_workers)),
+                  workers=stage_workers) as pipe:
+            opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05)
+            for step in range(args.steps):
+                x = torch.randn(b, f, requires_grad=True)
+                y = torch.randint(0, c, (b,))
+                with dist_autograd.context() as ctx:
+                    out = pipe(x).local_value()
+                    loss = F.cross_entropy(out, y)
+                    dist_autograd.backward(ctx, [loss])
+                    x_grad = dist_autograd.get_gradients(ctx)[x]
+                    grads = stage_gradients(pipe, ctx)
+                    opt.step(ctx)
+                x_ref = x.detach().clone().requires_grad_()
+                reference_opt.zero_grad()
+                out_ref = reference(x_ref)
+                F.cross_entropy(out_ref, y).backward()
+                reference_opt.step()
+                torch.testing.assert_close(out, out_ref)
+                torch.testing.assert_close(x_grad, x_ref.grad)
+                expected = {name: p.grad for name, p in reference.named_parameters()}
+                assert grads.keys() == expected.keys(), (sorted(grads), sorted(expected))
+                for name, grad in expected.items():
+                    torch.testing.assert_close(grads[name], grad, msg=lambda m, name=name: f"step {step} {name}: {m}")
+                print(f"step {step}: loss {loss.item():.4f}, outputs and gradients match the plain model", flush=True)
+            state = pipe.state_dict()
+            for name, value in reference.state_dict().items():
+                torch.testing.assert_close(state[name], value)
+            stages = [(s.worker, list(s.layers)) for s in pipe.stages]
+        result = {
+            "rank": int(os.environ["RANK"]), "workers": stage_workers, "stages": stages, "steps": args.steps,
+            "seconds": time.monotonic() - start,
+            # float32 bytes per step: the input (driver -> stage 0) and each stage's output (-> the next hop)
+            "input_bytes": b * f * 4, "activation_bytes": [b * h * 4] * (len(stage_workers) - 1), "output_bytes": b * c * 4,
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
