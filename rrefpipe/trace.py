@@ -14,7 +14,7 @@ __all__ = ["Event", "format_events"]
 KINDS = ("forward", "recompute", "backward")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """One span of work on one stage. Times are ``time.time()`` seconds, comparable across local processes."""
 
@@ -31,10 +31,15 @@ class Event:
         return self.end - self.start
 
 
-class Recorder:
-    """A bounded, thread-safe log of :class:`Event` for one stage."""
+#: Events a stage keeps (the most recent ones): about 1,300 micro-batches of forward, recompute and
+#: backward, ~0.7 MiB. Enough for the timeline of recent steps; a long run's memory stays flat.
+CAPACITY = 4096
 
-    def __init__(self, stage: int, worker: str, capacity: int = 100_000) -> None:
+
+class Recorder:
+    """A bounded, thread-safe log of the most recent :class:`Event` of one stage."""
+
+    def __init__(self, stage: int, worker: str, capacity: int = CAPACITY) -> None:
         self.stage = stage
         self.worker = worker
         self._events: deque[Event] = deque(maxlen=capacity)

@@ -54,3 +54,13 @@ def test_backward_is_recorded_with_or_without_input_gradient(input_grad):
     assert all(e.end >= e.start for e in backward)
     assert not stage._backward_starts  # nothing left behind
 
+
+
+def test_the_execution_record_keeps_only_recent_events():
+    from rrefpipe.trace import CAPACITY, Recorder
+
+    recorder = Recorder(0, "here")
+    for k in range(CAPACITY + 100):
+        recorder.add("forward", k, 0, 0.0, 1.0)
+    events = recorder.snapshot()
+    assert len(events) == CAPACITY and events[0].step == 100 and events[-1].step == CAPACITY + 99
