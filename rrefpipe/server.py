@@ -246,7 +246,8 @@ class StageServer:
 
 
 def _resolve_when_all(target: Future[Status], sends: list[Future[Status]]) -> None:
-    """Complete ``target`` with the first failure among ``sends`` (None if all went through)."""
+    """Complete ``target`` with the first failure among ``sends`` (None if all went through); a send
+    that raised (a raw RPC future) makes ``target`` raise too."""
     if not sends:
         target.set_result(None)
         return
@@ -258,7 +259,10 @@ def _resolve_when_all(target: Future[Status], sends: list[Future[Status]]) -> No
             remaining[0] -= 1
             if remaining[0]:
                 return
-        target.set_result(next((s.value() for s in sends if s.value() is not None), None))
+        try:
+            target.set_result(next((s.value() for s in sends if s.value() is not None), None))
+        except Exception as exc:
+            target.set_exception(exc)  # type: ignore[arg-type]  # (torch stub types it as the result)
 
     for send in sends:
         send.add_done_callback(one_done)
@@ -286,16 +290,19 @@ def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
     return server.stage.info()
 
 
-def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes) -> None:
+@rpc.functions.async_execution
+def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes) -> Future[None]:
     """Tell a stage where every stage lives and where its skips go; open those connections now (the
-    first message between two TensorPipe peers pays the connection set-up)."""
+    first message between two TensorPipe peers pays the connection set-up). Never blocks an RPC thread."""
     server = _server(pipe_id, index)
     server.workers = list(workers)
     server.stage.routes = routes
     peers = {workers[index + 1]} if index + 1 < len(workers) else set()
     peers |= {workers[k] for k in routes.outgoing.values()}
-    for future in [rpc.rpc_async(peer, _noop, timeout=30) for peer in peers]:
-        future.wait()
+    pings = [rpc.rpc_async(peer, _noop, timeout=30) for peer in peers]
+    done: Future[None] = Future()
+    _resolve_when_all(done, pings)  # type: ignore[arg-type]
+    return done
 
 
 def _noop() -> None:
