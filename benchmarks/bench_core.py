@@ -139,7 +139,7 @@ def machine_info(driver_threads: int, worker_threads: int | None) -> dict[str, A
     }
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [round(v, 2) for v in os.getloadavg()]
     except OSError:
@@ -242,8 +242,9 @@ def make_model(hidden: int, blocks: int, seed: int = 0) -> nn.Sequential:
 
 
 def single_process(model: nn.Sequential, x: Tensor, y: Tensor, threads: int, warmup: int, repeats: int,
-                   when: str = "before workers start") -> dict[str, Any]:
-    """Plain training of ``model`` in this process with ``threads`` intra-op threads."""
+                   when: str = "before workers start",
+                   loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> dict[str, Any]:
+    """Plain training of ``model`` in this process with ``threads`` intra-op threads (SGD step included)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     model = copy.deepcopy(model)
@@ -251,7 +252,7 @@ def single_process(model: nn.Sequential, x: Tensor, y: Tensor, threads: int, war
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         opt.step()
 
     try:
@@ -395,7 +396,7 @@ def baselines(args: argparse.Namespace, model: nn.Sequential, x: Tensor, y: Tens
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from workers import LocalWorkers
 
-    load_start = _loadavg()
+    load_start = loadavg()
     torch.set_num_threads(args.threads)
     model = make_model(args.hidden, args.blocks)
     x, y = torch.randn(args.batch, args.hidden), torch.randint(0, args.hidden, (args.batch,))
@@ -463,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - started
-    result["machine"]["loadavg_end"] = _loadavg()
+    result["machine"]["loadavg_end"] = loadavg()
     m = result["machine"]
     print(f"\nrrefpipe core benchmark: {m['platform']}, python {m['python']}, torch {m['torch']}, "
           f"{m['cpu_count']} CPUs ({m['cpus_usable']} usable); rrefpipe {m['rrefpipe']}")

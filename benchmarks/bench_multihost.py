@@ -54,9 +54,7 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
 # -- the driver (runs in host 1's namespace, or on loopback) ---------------------------------------------------
 def drive(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
-    import torch.nn.functional as F
     from torch import nn
     from torch.distributed.optim import DistributedOptimizer
 
@@ -73,6 +71,8 @@ def drive(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, args.width)
     y = torch.randint(0, 10, (args.batch,))
 
+    from steps import train_step  # benchmarks/ is this script's directory
+
     def run(stage_workers: list[str]) -> dict[str, Any]:
         with Pipe(model, chunks=args.chunks, balance=[half, len(model) - half], workers=stage_workers) as pipe:
             opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.01)
@@ -80,12 +80,8 @@ def drive(args: argparse.Namespace) -> None:
             for step in range(args.warmup + args.steps):
                 if step == args.warmup:
                     print("TIMING", flush=True)  # the orchestrator reads the link counters here
-                start = time.perf_counter()
-                with dist_autograd.context() as ctx:
-                    loss = F.cross_entropy(pipe(x).local_value(), y)
-                    dist_autograd.backward(ctx, [loss])
-                    opt.step(ctx)
-                times.append(time.perf_counter() - start)
+                seconds, loss = train_step(pipe, opt, x, y)
+                times.append(seconds)
             print("TIMED", flush=True)
             rtts = []
             for _ in range(50):
@@ -97,7 +93,7 @@ def drive(args: argparse.Namespace) -> None:
         return {"step_ms": {"median": 1e3 * statistics.median(timed), "p10": 1e3 * timed[len(timed) // 10],
                             "p90": 1e3 * timed[(9 * len(timed)) // 10]},
                 "samples_per_s": args.batch / statistics.median(timed), "rtt_ms": 1e3 * statistics.median(rtts),
-                "step_ms_all": [1e3 * t for t in times], "loss": loss.item()}
+                "step_ms_all": [1e3 * t for t in times], "loss": loss}
 
     if args.role == "local":
         with workers.LocalWorkers(2, threads=1) as local:

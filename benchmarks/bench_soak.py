@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 import workers
 from rrefpipe import Pipe
+from steps import train_step  # benchmarks/ is this script's directory
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak.json"
 MIB = 1024 * 1024
@@ -118,12 +117,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             for step in range(1, args.steps + 1):
                 x = torch.randn(64, 256, generator=data)
                 y = torch.randint(0, 10, (64,), generator=data)
-                start = time.perf_counter()
-                with dist_autograd.context() as ctx:
-                    loss = F.cross_entropy(pipe(x).local_value(), y)
-                    dist_autograd.backward(ctx, [loss])
-                    opt.step(ctx)
-                times.append(time.perf_counter() - start)
+                seconds, loss = train_step(pipe, opt, x, y)
+                times.append(seconds)
                 if args.clear_record and step % args.clear_record == 0:
                     pipe.execution_record(clear=True)
                 if step in (1, args.warmup, args.steps) or step % args.sample_every == 0:
@@ -132,12 +127,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                         mark = {1: "start", args.warmup: "warm", args.steps: "end"}[step]
                         marks[mark] = {name: s[-1][1] for name, s in series.items()}
                 if step % max(1, args.steps // 10) == 0:
-                    print(f"step {step:5d}  loss {loss.item():.4f}  "
+                    print(f"step {step:5d}  loss {loss:.4f}  "
                           f"median step {1e3 * statistics.median(times[-100:]):.2f} ms", flush=True)
             del opt
             events = record_counts(pipe, args.warmup + 1)
     return {"procs": procs, "series": series, "marks": marks, "step_s": times, "events": events,
-            "final_loss": loss.item()}
+            "final_loss": loss}
 
 
 def memory_rows(run: dict[str, Any], args: argparse.Namespace, per_event: float) -> tuple[str, dict[str, Any]]:

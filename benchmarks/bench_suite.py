@@ -1,0 +1,294 @@
+"""Issue #5's benchmark suite: rrefpipe against plain PyTorch, torch.distributed.pipelining and the ideal.
+
+``python benchmarks/bench_suite.py`` (about 20 minutes on 2 CPU cores; ``--quick``: a smoke run under
+2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
+``suite.png`` (``--out``). For each model (``--models``), stage count (``--stages``) and chunk count
+(``--chunks``), in the same run, on the same model, mini-batch and layer split:
+
+1. plain PyTorch in this process, 1 and 2 intra-op threads (measured before any worker starts);
+2. torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` (1F1B needs chunks >= stages),
+   one process per stage over gloo on 127.0.0.1 (``suite_pipelining``);
+3. rrefpipe on ``workers.LocalWorkers`` (``suite_rrefpipe``), checkpoint 'never', 'except_last',
+   'always', the driver also at 1 thread;
+4. the ideal: GPipe efficiency m/(m+n-1) applied to the slowest stage's forward+backward, measured in
+   this process with 1 thread at the full batch (``ideal``, plus the recomputed forwards of a
+   checkpoint mode) and at the micro-batch size (``ideal@mb``), as in ``bench_core``; and the RPC
+   floor, a raw ``rpc_sync`` of each micro-batch boundary tensor (``rpc/mb``).
+
+Every contestant's timed step includes the SGD optimizer step (``opt.step()`` on every stage for
+pipelining, ``DistributedOptimizer.step`` for rrefpipe, ``opt.step()`` for plain). Steps are the
+median of ``--repeats`` after ``--warmup`` untimed ones; for each chunk count the contestants run
+back to back (order alternating), so a load change hits them alike. Also: memory kept for backward per
+stage and checkpoint mode (``rrefpipe.memory``), step time against chunks up to 256 on the MLP, the
+stage-hop cost against raw rpc_sync (``bench_core.bench_hops``), and the execution record of every
+rrefpipe configuration (``suite_record``). Every stage process runs 1 intra-op thread. The load
+average is recorded at the start and end of the run and of each section: other processes skew
+everything on a 2-core machine. No number here is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+
+import suite_models
+from bench_core import SIZES, bench_hops, ideal_step_ms, loadavg, machine_info, single_process, stage_compute
+from suite_chart import write_chart
+from suite_models import SPECS, ModelSpec, boundary_shapes
+from suite_pipelining import SCHEDULES, PipeliningGroup
+from suite_report import MODES, print_all
+from suite_rrefpipe import memory_by_mode, rpc_floor, scaling, time_pipe
+from suite_targets import evaluate, print_targets
+
+cloudpickle.register_pickle_by_value(suite_models)  # stage workers get the model classes by value
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "suite.json"
+CHUNKS = (1, 2, 4, 8, 16, 32)
+SCALING_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CHECKPOINTED = {"never": lambda m: 0, "except_last": lambda m: m - 1, "always": lambda m: m}
+
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def add_ideal(row: dict[str, Any], costs: list[dict[str, float]], costs_mb: list[dict[str, float]], batch: int,
+              m: int, checkpointed: int) -> None:
+    for key, c, per_mb in (("ideal", costs, False), ("ideal_mb", costs_mb, True)):
+        row[f"{key}_step_ms"] = ideal_step_ms(c, m, checkpointed, per_mb)
+        row[f"achieved_over_{key}"] = row["samples_per_s"] / (batch / (row[f"{key}_step_ms"] / 1e3))
+
+
+def add_inflation(rec: dict[str, Any], costs_mb: list[dict[str, float]], m: int, checkpointed: int) -> None:
+    """Worker compute over in-process compute at the micro-batch size, per stage (see ``suite_record``)."""
+    rec["fwd_inflation"] = [f / (m * c["forward_ms"]) for f, c in zip(rec["fwd_ms"], costs_mb)]
+    rec["bwd_inflation"] = [b / (m * c["backward_ms"] + checkpointed * c["forward_ms"])
+                            for b, c in zip(rec["bwd_ms"], costs_mb)]
+
+
+def pipelining_row(group: PipeliningGroup, spec: ModelSpec, schedule: str, m: int, n: int,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    from bench_core import summary
+
+    if schedule == "1f1b" and m < n:
+        return {"error": f"n/a: Schedule1F1B needs chunks >= stages ({m} < {n})"}
+    try:
+        times, cpu = group.time_steps(spec.name, schedule, m, args.warmup, args.repeats)
+    except RuntimeError as exc:
+        log(f"  pipelining {schedule} m={m} failed: {exc}")
+        return {"error": str(exc)[-2000:]}
+    step = summary(times)
+    return {"step": step, "samples_per_s": spec.batch / (step["median_ms"] / 1e3), "cpu": cpu}
+
+
+def one_chunk_count(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int, m: int, k: int,
+                    ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """All contestants at ``m`` micro-batches, back to back (order reversed on odd ``k``)."""
+    order = [*SCHEDULES, *MODES] if k % 2 == 0 else [*SCHEDULES, *MODES][::-1]
+    contestants: dict[str, Any] = {}
+    for key in order:
+        if key in SCHEDULES:
+            row = pipelining_row(group, spec, key, m, n, args)
+        else:
+            tl = (str(args.out.parent / "suite-timelines" / f"{spec.name}-{n}st-m{m}-{key}")
+                  if m == args.timeline_chunks else None)
+            row = time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, key,
+                            args.warmup, args.repeats, timeline=tl, pids=ctx["pids"])
+        if "error" not in row:
+            add_ideal(row, ctx["full"], ctx["per_mb"][m], spec.batch, m, CHECKPOINTED.get(key, lambda m: 0)(m))
+        if row.get("record"):
+            add_inflation(row["record"], ctx["per_mb"][m], m, CHECKPOINTED[key](m))
+        contestants[key] = row
+        log(f"  {spec.name} {n}st m={m} {key}: " + (f"{row['samples_per_s']:.0f} samples/s" if "error" not in row
+                                                    else row["error"].splitlines()[0]))
+    out: dict[str, Any] = {"chunks": m, "ideal_step_ms": ideal_step_ms(ctx["full"], m, 0, False),  # no recompute
+                           "ideal_mb_step_ms": ideal_step_ms(ctx["per_mb"][m], m, 0, True),
+                           "contestants": {key: contestants[key] for key in [*SCHEDULES, *MODES]}}
+    out["ideal_samples_per_s"] = spec.batch / (out["ideal_step_ms"] / 1e3)
+    out["ideal_mb_samples_per_s"] = spec.batch / (out["ideal_mb_step_ms"] / 1e3)
+    return out
+
+
+def warm_up(names: list[str], group: PipeliningGroup, spec: ModelSpec, ctx: dict[str, Any], m: int,
+            args: argparse.Namespace) -> None:
+    """Run both pipelines once, untimed: the first configuration of a model ran 15-30% slower (seen on the
+    MLP: identical configurations, 'never' and 'except_last' at chunks=1, 780 vs 600 ms per step)."""
+    time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, "never", args.warmup, 1)
+    try:
+        group.time_steps(spec.name, "gpipe", m, args.warmup, 1)
+    except RuntimeError as exc:
+        log(f"  pipelining warm-up failed: {exc}")
+
+
+def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """One model on ``n`` stages: per-stage compute, RPC floor, every chunk count, memory."""
+    names = cluster.names
+    load_start = loadavg()
+    model, balance, data = spec.build(), spec.balance(n), spec.data()
+    log(f"{spec.name}, {n} stages: measuring per-stage compute ...")
+    per_mb = {m: stage_compute(model, balance, data[0], math.ceil(spec.batch / m), args.warmup, args.compute_repeats)
+              for m in args.chunks}
+    full = per_mb[1] if 1 in per_mb else stage_compute(model, balance, data[0], spec.batch, args.warmup,
+                                                       args.compute_repeats)
+    shapes = boundary_shapes(spec, n)
+    mb_shapes = {m: [(math.ceil(spec.batch / m), *s[1:]) for s in shapes[1:]] for m in args.chunks}
+    floor = rpc_floor(names[0], [s for v in mb_shapes.values() for s in v], args.rpc_repeats)
+    ctx = {"model": model, "balance": balance, "data": data, "full": full, "per_mb": per_mb,
+           "pids": [os.getpid(), *cluster.pids[:n]]}
+    if not args.quick:
+        warm_up(names, group, spec, ctx, args.chunks[0], args)
+    rows = []
+    for k, m in enumerate(args.chunks):
+        load = loadavg()
+        row = one_chunk_count(names, group, spec, n, m, k, ctx, args)
+        row["loadavg_start"], row["loadavg_end"] = load, loadavg()
+        row["rpc_mb_ms"] = max(floor["x".join(map(str, s))] for s in mb_shapes[m])
+        row["rpc_step_ms"] = 2 * m * row["rpc_mb_ms"]  # the busiest boundary's traffic, forward + backward
+        rows.append(row)
+    input_bytes = [math.prod(s) * 4 for s in shapes]
+    mem = memory_by_mode(names, model, balance, data, spec.loss_fn(), args.memory_chunks, MODES, input_bytes)
+    return {"name": spec.name, "model": spec.description, "stages": n, "balance": balance, "batch": spec.batch,
+            "stage_compute": full, "stage_compute_per_microbatch": {str(m): c for m, c in per_mb.items()},
+            "boundary_shapes": shapes, "rpc_floor_ms": floor, "rows": rows, "memory": mem,
+            "loadavg_start": load_start, "loadavg_end": loadavg()}
+
+
+def plain_baselines(names: Sequence[str], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name in names:
+        spec = SPECS[name]
+        model, (x, y) = spec.build(), spec.data()
+        out[name] = [single_process(model, x, y, t, args.warmup, args.repeats, loss_fn=spec.loss_fn()) for t in (1, 2)]
+        log(f"plain {name}: " + ", ".join(f"{p['threads']} thread(s) {p['samples_per_s']:.0f} samples/s"
+                                          for p in out[name]))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from workers import LocalWorkers
+
+    result: dict[str, Any] = {"loadavg_start": loadavg()}
+    log(f"load average at start: {result['loadavg_start']}")
+    result["plain"] = plain_baselines(args.models, args)  # before any other process of ours exists
+    torch.set_num_threads(1)  # the driver, like every stage process
+    with LocalWorkers(max(args.stages), threads=1) as cluster:
+        result["machine"] = {**machine_info(torch.get_num_threads(), cluster.threads),
+                             "loadavg_start": result["loadavg_start"]}
+        result["sections"] = []
+        for n in args.stages:
+            with PipeliningGroup(n) as group:
+                result["machine"][f"pipelining_threads_{n}st"] = group.threads  # [intra-op, inter-op]
+                for name in args.models:
+                    result["sections"].append(run_section(cluster, group, SPECS[name], n, args))
+        if args.scaling_chunks:
+            log("scaling: MLP step time vs chunks ...")
+            spec = SPECS["mlp"]
+            result["scaling"] = scaling(cluster.names, spec.build(), spec.balance(2), spec.data(), spec.loss_fn(),
+                                        args.scaling_chunks, args.scaling_checkpoint, args.warmup, args.scaling_repeats,
+                                        args.compute_repeats)
+        if args.hop_sizes:
+            log("stage hops (bench_core.bench_hops) ...")
+            result["hop"] = bench_hops(cluster.names, args.hop_sizes, args.hop_repeats, args.warmup, grad=True)
+    result["loadavg_end"] = result["machine"]["loadavg_end"] = loadavg()
+    return result
+
+
+def wait_for_quiet(limit: float, max_wait: float) -> list[float] | None:
+    """Sleep in 30 s steps while the 1-minute load average is at or above ``limit`` (at most ``max_wait`` s)."""
+    deadline = time.monotonic() + max_wait
+    while (load := loadavg()) and load[0] >= limit and time.monotonic() < deadline:
+        log(f"load average {load} >= {limit}: waiting 30 s (up to {deadline - time.monotonic():.0f} s more)")
+        time.sleep(30)
+    return load
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0],
+                                epilog="The module docstring says exactly what is measured.")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output; the chart goes next to it as .png")
+    p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 stages, chunks 2 8, few repeats")
+    p.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS), help="models to run")
+    p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="stage counts")
+    p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each measurement")
+    p.add_argument("--repeats", type=int, default=4, help="timed steps per configuration (median reported)")
+    p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
+    p.add_argument("--rpc-repeats", type=int, default=15, help="timed raw rpc_sync calls per boundary size")
+    p.add_argument("--memory-chunks", type=int, default=4, help="chunks for the memory measurement")
+    p.add_argument("--timeline-chunks", type=int, default=8,
+                   help="write rrefpipe timelines (results/suite-timelines/) at this chunk count; 0: none")
+    p.add_argument("--scaling-chunks", nargs="*", type=int, default=list(SCALING_CHUNKS),
+                   help="chunk counts for the MLP scaling sweep (none: skip)")
+    p.add_argument("--scaling-checkpoint", choices=MODES, default="never", help="checkpoint mode of the sweep")
+    p.add_argument("--scaling-repeats", type=int, default=3, help="timed steps per point of the sweep")
+    p.add_argument("--hop-sizes", nargs="*", choices=list(SIZES), default=list(SIZES),
+                   help="stage-hop tensor sizes (bench_core; none: skip)")
+    p.add_argument("--hop-repeats", type=int, default=30, help="timed rounds per hop size (half for 16MB)")
+    p.add_argument("--wait-load", type=float, default=0.0,
+                   help="before starting, wait while the 1-min load average is >= this (0: don't wait)")
+    p.add_argument("--wait-max", type=float, default=600.0, help="longest wait for --wait-load, seconds")
+    p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print the tables and targets of a "
+                   "saved run and redraw its chart")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.stages, args.chunks = [2], [2, 8]
+        args.warmup, args.repeats, args.compute_repeats, args.rpc_repeats = 1, 3, 1, 5
+        args.scaling_chunks, args.hop_sizes, args.hop_repeats = [8, 16, 32], ["4KB", "1MB"], 6
+    batch = min(SPECS[m].batch for m in args.models)
+    if min(args.chunks) < 1 or max(args.chunks) > batch or args.warmup < 0 or args.repeats < 1:
+        p.error(f"need 1 <= chunks <= {batch} (the smallest batch), --warmup >= 0, --repeats >= 1")
+    args.chunks = sorted(set(args.chunks))
+    return args
+
+
+def report(result: dict[str, Any], out: Path) -> None:
+    """Print every table and the targets, and write the chart next to ``out``."""
+    m, st = result["machine"], result["settings"]
+    print(f"\nrrefpipe benchmark suite: {m['platform']}, python {m['python']}, torch {m['torch']}, {m['cpu_count']} CPUs "
+          f"({m['cpus_usable']} usable)\nthreads: driver {m['driver_threads']} intra-op; rrefpipe stage workers "
+          f"{m['worker_threads']} intra-op each; pipelining ranks [intra, inter]: "
+          + ", ".join(f"{k[-3:]} {v}" for k, v in m.items() if k.startswith("pipelining_threads"))
+          + f"; plain: 1 and 2 intra-op\ntimed step = forward + loss + backward + SGD step; median of {st['repeats']} "
+          f"after {st['warmup']} warm-up\nload average (1/5/15 min) at start {result['loadavg_start']}, "
+          f"at end {result['loadavg_end']}")
+    print_all(result)
+    print_targets(result["targets"])
+    png = write_chart(result, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {png} ({result['wall_s']:.0f} s); load average at start "
+          f"{result['loadavg_start']}, at end {result['loadavg_end']}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report:  # only redraw: tables, targets and chart from a saved run
+        result = json.loads(args.report.read_text())
+        result["targets"] = evaluate(result)
+        report(result, args.report)
+        return
+    if args.wait_load > 0:
+        wait_for_quiet(args.wait_load, args.wait_max)
+    started = time.perf_counter()
+    result = run(args)
+    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result["wall_s"] = time.perf_counter() - started
+    result["targets"] = evaluate(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))  # first: nothing below may lose the run
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

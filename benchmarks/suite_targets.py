@@ -1,0 +1,138 @@
+"""Issue #5's targets, evaluated as ratios from one run of the suite (reported, never asserted).
+
+Comparisons with torch.distributed.pipelining use rrefpipe with ``checkpoint='never'``: the same work
+(no recomputation) as pipelining's schedules. Each checkpoint mode is compared with its own ideal (the
+recomputed forwards added).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from suite_report import ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
+
+Target = dict[str, Any]
+
+
+def _target(name: str, met: bool | None, detail: str) -> Target:
+    return {"target": name, "met": met, "detail": detail}
+
+
+def vs_pipelining(result: dict[str, Any]) -> Target:
+    lo: list[tuple[float, str]] = []
+    hi: list[tuple[float, str]] = []
+    for sec in result["sections"]:
+        for r in sec["rows"]:
+            rr, gp = sps(r["contestants"].get("never")), sps(r["contestants"].get("gpipe"))
+            if rr and gp:
+                (hi if r["chunks"] >= 4 else lo).append((rr / gp, f"{sec['name']} {sec['stages']}st m={r['chunks']}"))
+    if not lo and not hi:
+        return _target("rrefpipe >= pipelining GPipe (m >= 4), >= 0.9x (m 1-2)", None, "no data")
+    met = all(v >= 1.0 for v, _ in hi) and all(v >= 0.9 for v, _ in lo)
+    parts = []
+    for label, group, bar in (("m>=4", hi, 1.0), ("m<=2", lo, 0.9)):
+        if group:
+            worst = min(group)
+            parts.append(f"{label}: {sum(v >= bar for v, _ in group)}/{len(group)} at >= {bar}, worst {worst[0]:.2f} "
+                         f"({worst[1]})")
+    return _target("rrefpipe >= pipelining GPipe (m >= 4), >= 0.9x (m 1-2)", met, "; ".join(parts))
+
+
+def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:
+    vals = []
+    for sec in result["sections"]:
+        if sec["name"] != "mlp":
+            continue
+        for r in sec["rows"]:
+            row = r["contestants"].get(mode)
+            if r["chunks"] >= 8 and row and "error" not in row:
+                vals.append((row["achieved_over_ideal"], row["achieved_over_ideal_mb"], f"{sec['stages']}st m={r['chunks']}"))
+    name = f"rrefpipe '{mode}' >= 0.9 x ideal at m >= 8, MLP"
+    if not vals:
+        return _target(name, None, "no MLP rows with m >= 8")
+    return _target(name, all(v >= 0.9 for v, _, _ in vals),
+                   ", ".join(f"{w}: {v:.2f}" for v, _, w in vals)
+                   + " (vs ideal@mb: " + ", ".join(f"{v:.2f}" for _, v, _ in vals) + ")")
+
+
+def hop_overhead(result: dict[str, Any]) -> Target:
+    rows = result.get("hop") or []
+    if not rows:
+        return _target("per-hop overhead <= 1.5 x raw rpc_sync, 4 KB-16 MB", None, "hops not measured")
+    return _target("per-hop overhead <= 1.5 x raw rpc_sync, 4 KB-16 MB", all(r["hop_over_raw"] <= 1.5 for r in rows),
+                   ", ".join(f"{r['size']} {r['hop_over_raw']:.2f}" for r in rows))
+
+
+def ideal_vs_pipelining(result: dict[str, Any]) -> Target:
+    parts, met = [], True
+    for sec in result["sections"]:
+        for r in sec["rows"]:
+            if r["chunks"] not in (8, 16):
+                continue
+            rr, gp = r["contestants"].get("never"), r["contestants"].get("gpipe")
+            if not (rr and gp) or "error" in rr or "error" in gp:
+                continue
+            a, b = rr["achieved_over_ideal"], gp["achieved_over_ideal"]
+            met = met and a > b
+            quoted = ISSUE_PIPELINING_ACH.get(r["chunks"]) if sec["name"] == "mlp" and sec["stages"] == 2 else None
+            parts.append(f"{sec['name']} {sec['stages']}st m={r['chunks']}: {a:.2f} vs {b:.2f}"
+                         + (f" (issue: {quoted})" if quoted else ""))
+    return _target("achieved/ideal at m = 8, 16: rrefpipe > pipelining GPipe", met if parts else None,
+                   "; ".join(parts) or "no m = 8/16 rows")
+
+
+def memory_inputs(result: dict[str, Any], slack: float = 1.1) -> Target:
+    parts, met = [], True
+    for sec in result["sections"]:
+        mem = sec.get("memory")
+        if not mem or "always" not in mem["peak_bytes"]:
+            continue
+        over_in = mem["over_inputs"]["always"]
+        met = met and all(v is not None and v <= slack for v in over_in)
+        over_never = mem.get("over_never", {}).get("always")
+        parts.append(f"{sec['name']} {sec['stages']}st: always/inputs " + "/".join(f"{v:.2f}" for v in over_in)
+                     + (", always/never " + "/".join(f"{v:.3f}" for v in over_never) if over_never else ""))
+    return _target(f"'always' keeps only the stage inputs (<= {slack} x input bytes)", met if parts else None,
+                   "; ".join(parts) or "memory not measured")
+
+
+def recompute_cost(result: dict[str, Any], bound: float = 1.35) -> Target:
+    parts, met, worst = [], True, (0.0, "")
+    for sec in result["sections"]:
+        ratios = recompute_ratios(sec)
+        if not ratios:
+            continue
+        med = statistics.median(ratios.values())
+        met = met and med <= bound
+        m, v = max(ratios.items(), key=lambda p: p[1])
+        worst = max(worst, (v, f"{sec['name']} {sec['stages']}st m={m}"))
+        parts.append(f"{sec['name']} {sec['stages']}st {med:.2f}")
+    detail = ("median over m of 'always'/'never' step time: " + ", ".join(parts)
+              + f"; worst single config {worst[0]:.2f} ({worst[1]})") if parts else "no data"
+    return _target(f"recomputation <= {bound - 1:.0%} extra step time", met if parts else None, detail)
+
+
+def linear_scaling(result: dict[str, Any], r2: float = 0.95) -> Target:
+    sc = result.get("scaling")
+    if not sc or "fit_m_ge_8" not in sc:
+        return _target("step time linear in m, no cliff up to 256", None, "scaling not measured (needs 3+ m >= 8)")
+    fit, worst = sc["fit_m_ge_8"], sc["worst_over_fit"]
+    met = fit["r2"] >= r2 and worst["ratio"] <= sc["cliff_threshold"]
+    all_fit = sc.get("fit_all", {})
+    return _target(f"step time linear in m (R² >= {r2} for m >= 8), no point > {sc['cliff_threshold']} x fit", met,
+                   f"slope {fit['slope']:.3f} ms/micro-batch, R² {fit['r2']:.3f} (all m: R² {all_fit.get('r2', 0):.3f}), "
+                   f"worst m={worst['chunks']} at {worst['ratio']:.2f} x fit, largest m {sc['rows'][-1]['chunks']}"
+                   + (f"; step - ideal@mb: {sc['fit_overhead']['intercept']:.0f} ms + {sc['fit_overhead']['slope']:.2f} ms"
+                      f" x m" if "fit_overhead" in sc else ""))
+
+
+def evaluate(result: dict[str, Any]) -> list[Target]:
+    return [vs_pipelining(result), *(vs_ideal_mlp(result, m) for m in MODES), hop_overhead(result),
+            ideal_vs_pipelining(result), memory_inputs(result), recompute_cost(result), linear_scaling(result)]
+
+
+def print_targets(targets: list[Target]) -> None:
+    print("\ntargets (issue #5), from this run:")
+    for t in targets:
+        status = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
+        print(f"  [{status:>7}] {t['target']}: {t['detail']}")
