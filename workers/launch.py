@@ -80,6 +80,9 @@ class LocalWorkers:
         port = free_port()
         init_method = f"tcp://127.0.0.1:{port}"
         env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
+        # Stage work runs on many RPC/autograd threads; glibc's per-thread arenas then keep returning
+        # memory to the OS and page-faulting it back (ResNet-style, m=8: 321 -> 259 ms per step).
+        env.setdefault("MALLOC_ARENA_MAX", "1")
         world = self.num_workers + 1
         for rank, name in enumerate(self.names, start=1):
             cmd = [sys.executable, "-m", "workers", "--rank", str(rank), "--world-size", str(world),
