@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .microbatch import TensorOrTensors
+from .microbatch import TensorOrTensors, as_tensors
 
 __all__: list[str] = []
 
@@ -88,7 +88,7 @@ def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
 
 def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:
     """Return ``value`` unchanged; ``callback`` runs once all gradients for it have arrived."""
-    tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+    tensors = as_tensors(value)
     if not any(t.requires_grad for t in tensors):
         return value
     marked = _Marker.apply(callback, *tensors)
@@ -101,7 +101,7 @@ def after_parameter_grads(value: TensorOrTensors, callback: Callable[[], None]) 
     This marks the end of a stage's backward when no input needs a gradient (the first stage): the
     last work is then the parameters' gradients. Returns False when the graph feeds no parameter.
     """
-    tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+    tensors = as_tensors(value)
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen: set[Any] = set()
     frontier = []

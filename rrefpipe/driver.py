@@ -134,7 +134,7 @@ class RemoteDriver:
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
         batches = microbatch.scatter(value, self.chunks)
-        for t in (value,) if isinstance(value, Tensor) else value:
+        for t in microbatch.as_tensors(value):
             if t.device.type != "cpu":
                 raise ValueError(f"Pipe input is on {t.device}; stage workers receive the input from this process's "
                                  "CPU memory: pass CPU tensors (the first stage moves them to its device)")

@@ -7,10 +7,15 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["Tensors", "TensorOrTensors", "check", "scatter", "gather", "apply"]
+__all__ = ["Tensors", "TensorOrTensors", "as_tensors", "check", "scatter", "gather", "apply"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
+
+
+def as_tensors(value: TensorOrTensors) -> Tensors:
+    """A tensor or a tuple of tensors, as a tuple."""
+    return (value,) if isinstance(value, Tensor) else tuple(value)
 
 
 def check(value: object, where: str) -> None:
@@ -39,7 +44,7 @@ def scatter(value: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:
     their batch size.
     """
     check(value, "Pipe input")
-    tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+    tensors = as_tensors(value)
     sizes = set()
     for t in tensors:
         if t.dim() == 0:

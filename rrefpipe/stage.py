@@ -69,10 +69,6 @@ class StageOutput:
     skip_phonies: dict[SkipKey, Tensor] = field(default_factory=dict)
 
 
-def _tensors(value: TensorOrTensors) -> tuple[Tensor, ...]:
-    return (value,) if isinstance(value, Tensor) else tuple(value)
-
-
 class Stage:
     """A partition of the model on one device, with its skip routes and execution record."""
 
@@ -111,7 +107,7 @@ class Stage:
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled):
             backward_end = self._backward_callback(meta.step, i, "end")
-            inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in _tensors(value))
+            inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
             if inputs_need_grad:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
             fn, outgoing = self._runner(meta.step, i, received)

@@ -62,10 +62,6 @@ def _detach(value: object, where: str) -> TensorOrTensors:
     return microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)  # type: ignore[arg-type]
 
 
-def _tensors(value: TensorOrTensors) -> tuple[Tensor, ...]:
-    return (value,) if isinstance(value, Tensor) else tuple(value)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -80,7 +76,7 @@ def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.
         start = time.perf_counter()
         out = layer(value)
         value = _detach(out, f"output of layer {j}")
-        outputs = [t for t in _tensors(out) if t.requires_grad]
+        outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         _sync(device)
