@@ -83,6 +83,11 @@ class LocalWorkers:
         # Stage work runs on many RPC/autograd threads; glibc's per-thread arenas then keep returning
         # memory to the OS and page-faulting it back (ResNet-style, m=8: 321 -> 259 ms per step).
         env.setdefault("MALLOC_ARENA_MAX", "1")
+        # torch.set_num_threads binds the calling thread only (MKL's count is thread-local), and stage
+        # work runs on RPC threads that would otherwise start OpenMP teams sized to every core, whose
+        # spinning members steal the other stages' cores. These bind every thread of the worker.
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(key, str(self.threads))
         world = self.num_workers + 1
         for rank, name in enumerate(self.names, start=1):
             cmd = [sys.executable, "-m", "workers", "--rank", str(rank), "--world-size", str(world),

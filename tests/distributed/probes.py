@@ -48,3 +48,10 @@ def all_counts(names: list[str]) -> dict[str, dict[str, int]]:
     for name in names:
         out[name] = rpc.rpc_sync(name, counts)
     return out
+
+
+def environment(keys: list[str]) -> dict[str, str | None]:
+    """The named environment variables of the process this runs in."""
+    import os
+
+    return {key: os.environ.get(key) for key in keys}

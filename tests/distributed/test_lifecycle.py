@@ -37,3 +37,19 @@ def test_twenty_create_use_close_cycles_leak_nothing(cluster):
         assert a["active_calls"] <= len(cluster.names) + 1, (process, b, a)
         assert a["owner_rrefs"] <= b["owner_rrefs"] + 2, (process, b, a)  # freed asynchronously, no growth
         assert a["threads"] <= b["threads"] + 2, (process, b, a)
+
+
+def test_local_workers_bind_every_thread_to_their_thread_count(cluster):
+    # torch.set_num_threads binds only the calling thread; OpenMP and MKL read these for the RPC and
+    # autograd threads that run the stages (unset, each would start a team as large as the machine).
+    import torch.distributed.rpc as rpc
+
+    from tests.distributed.probes import environment
+
+    import os
+
+    defaults = {"OMP_NUM_THREADS": str(cluster.threads), "MKL_NUM_THREADS": str(cluster.threads),
+                "MALLOC_ARENA_MAX": "1"}
+    expected = {key: os.environ.get(key, value) for key, value in defaults.items()}  # the user's setting wins
+    for name in cluster.names:
+        assert rpc.rpc_sync(name, environment, args=(list(expected),)) == expected
