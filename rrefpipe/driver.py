@@ -1,6 +1,6 @@
-"""The driver side of the RPC protocol: feeds micro-batches to stage 0 and collects the outputs.
+"""The driver side of the RPC protocol: feeds a mini-batch to stage 0 and collects the outputs.
 
-Per forward pass the driver sends one message per micro-batch to the first stage and nothing else;
+Per forward pass the driver sends one message, the whole mini-batch, to the first stage, which splits it;
 activations then flow worker to worker (see :mod:`rrefpipe.server`). The last stage pushes outputs
 back here (``deliver``), or keeps them when the pipe's output should stay on the last worker.
 """
@@ -45,7 +45,13 @@ _pipe_ids = itertools.count()
 
 
 def deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tensor | None) -> None:
-    """Called (over RPC, by the last stage) with micro-batch ``i``'s output."""
+    """Called (over RPC, by the last stage) with micro-batch ``i``'s output.
+
+    One message per micro-batch, not one per step, so that each micro-batch's gradient reaches the last
+    stage in a message of its own: distributed autograd then runs each as its own task there, and sends
+    each input gradient on as soon as it is computed. (One gathered message would make the last stage
+    run all micro-batches' backward as one task, in autograd's sequence-number order, holding back the
+    gradients that the previous stage waits for: measured 8 x Linear(2048), m=8, 528 -> 683+ ms.)"""
     collector = _collectors.get((pipe_id, step))
     if collector is None:
         return  # a step the driver already gave up on
@@ -56,7 +62,7 @@ def deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tens
 
 
 def _send_copy(t: Tensor) -> Tensor:
-    # A chunk is a view of the whole batch, and TensorPipe sends a view's whole storage.
+    # TensorPipe sends a view's whole storage (the input may be a slice of a dataset tensor).
     return t.clone() if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes else t
 
 
@@ -155,7 +161,7 @@ class RemoteDriver:
             collector = _Collector(len(batches))
             _collectors[(self.pipe_id, step)] = collector
             try:
-                self._run(meta, batches)
+                self._run(meta, value)
             finally:
                 del _collectors[(self.pipe_id, step)]
         if self.remote_output:
@@ -205,22 +211,16 @@ class RemoteDriver:
                                transport=True).to_exception()
         return exc
 
-    def _run(self, meta: StepMeta, batches: list[TensorOrTensors]) -> None:
+    def _run(self, meta: StepMeta, value: TensorOrTensors) -> None:
+        """Send the whole input to the first stage in one message (it splits it into micro-batches)
+        and wait until every micro-batch has gone through, or failed somewhere."""
         first = self.workers[0]
-        futures = []
-        for i, batch in enumerate(batches):
-            phony = new_phony() if meta.grad_enabled else None
-            futures.append(rpc.rpc_async(first, server.receive, timeout=self.rpc_timeout,
-                                         args=(self.pipe_id, 0, meta, i, microbatch.apply(_send_copy, batch), phony)))
-        failures: list[Failure] = []
-        for i, future in enumerate(futures):
-            try:
-                status = future.wait()
-            except Exception as exc:
-                status = Failure.capture(exc, stage=0, worker=first, microbatch=i, phase="forward",
-                                         transport=True)
-            if status is not None:
-                failures.append(status)
+        phony = new_phony() if meta.grad_enabled else None
+        try:
+            failures = rpc.rpc_async(first, server.receive_batch, timeout=self.rpc_timeout,
+                                     args=(self.pipe_id, 0, meta, microbatch.apply(_send_copy, value), phony)).wait()
+        except Exception as exc:
+            failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
             raise _first_cause(failures)
 

@@ -107,20 +107,35 @@ class StageServer:
     # -- arrivals ----------------------------------------------------------------------------------
     def receive(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
                 nones: frozenset[SkipKey]) -> Future[Status]:
-        def update(job: _Job) -> None:
-            job.meta, job.value, job.arrived = meta, value, True
-            job.nones = nones
-            if phony is not None:
-                job.phonies.append(phony)
-            for key in nones & self.stage.routes.incoming:
-                job.skips[key] = None
+        jobs = self._arrive(meta, "activation", value, {i: self._activation(value, phony, nones)})
+        return jobs[0].future if jobs else self._stale(i)
 
-        job = self._arrive(meta, i, "activation", value, update)
-        if job is None:
-            stale: Future[Status] = Future()
-            stale.set_result(self._cancelled(i, "it belongs to an earlier step"))
-            return stale
-        return job.future
+    def receive_batch(self, meta: StepMeta, value: TensorOrTensors, phony: Tensor | None) -> Future[list[Failure]]:
+        """The first stage's input for a whole step in one message: split here into micro-batches,
+        saving the driver one message (and its reply, and its gradient) per micro-batch."""
+        batches = microbatch.scatter(value, meta.chunks)
+        if len(batches) != meta.chunks:
+            raise ValueError(f"the input split into {len(batches)} micro-batches, the driver expected {meta.chunks}")
+        jobs = self._arrive(meta, "activation", value,
+                            {i: self._activation(batch, phony, frozenset()) for i, batch in enumerate(batches)})
+        done: Future[list[Failure]] = Future()
+        futures = [job.future for job in jobs] if jobs else [self._stale(0)]
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[Status]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                done.set_result([status for f in futures if (status := f.value()) is not None])
+            except Exception as exc:
+                done.set_exception(exc)  # type: ignore[arg-type]  # (torch stub types it as the result)
+
+        for future in futures:
+            future.add_done_callback(one_done)
+        return done
 
     def receive_skip(self, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor, phony: Tensor | None) -> None:
         def update(job: _Job) -> None:
@@ -128,26 +143,49 @@ class StageServer:
             if phony is not None:
                 job.phonies.append(phony)
 
-        self._arrive(meta, i, "skip", tensor, update)
+        self._arrive(meta, "skip", tensor, {i: update})
 
-    def _arrive(self, meta: StepMeta, i: int, kind: str, payload: Any, update: Callable[[_Job], None]) -> _Job | None:
+    def _activation(self, value: TensorOrTensors, phony: Tensor | None,
+                    nones: frozenset[SkipKey]) -> Callable[[_Job], None]:
+        def update(job: _Job) -> None:
+            job.value, job.arrived = value, True
+            job.nones = nones
+            if phony is not None:
+                job.phonies.append(phony)
+            for key in nones & self.stage.routes.incoming:
+                job.skips[key] = None
+
+        return update
+
+    def _stale(self, i: int) -> Future[Status]:
+        stale: Future[Status] = Future()
+        stale.set_result(self._cancelled(i, "it belongs to an earlier step"))
+        return stale
+
+    def _arrive(self, meta: StepMeta, kind: str, payload: Any, updates: dict[int, Callable[[_Job], None]]) -> list[_Job]:
+        """Record what arrived for micro-batches ``updates``, then drain unless a body already is.
+        Returns their jobs, or nothing when the message belongs to an earlier step."""
         count, nbytes = _count(payload)
         with self._lock:
             self.traffic[kind][0] += count
             self.traffic[kind][1] += nbytes
             if meta.step < self._step:
-                return None
+                return []
             if meta.step > self._step:  # a new step: whatever is left of older ones is abandoned
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
                 self._kept = {}
-            job = self._pending.setdefault(i, _Job(i))
-            update(job)
+            jobs = []
+            for i, update in updates.items():
+                job = self._pending.setdefault(i, _Job(i))
+                job.meta = meta
+                update(job)
+                jobs.append(job)
             if self._draining:
-                return job
+                return jobs
             self._draining = True
         self._drain()
-        return job
+        return jobs
 
     # -- running -------------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -325,6 +363,19 @@ def receive(pipe_id: str, index: int, meta: StepMeta, i: int, value: TensorOrTen
                                           phase="forward"))
         return future
     return server.receive(meta, i, value, phony, nones)
+
+
+@rpc.functions.async_execution
+def receive_batch(pipe_id: str, index: int, meta: StepMeta, value: TensorOrTensors,
+                  phony: Tensor | None) -> Future[list[Failure]]:
+    """The driver's one message per step to the first stage; resolves to the micro-batches' failures."""
+    future: Future[list[Failure]] = Future()
+    try:
+        return _server(pipe_id, index).receive_batch(meta, value, phony)
+    except Exception as exc:
+        future.set_result([Failure.capture(exc, stage=index, worker=rpc.get_worker_info().name, microbatch=None,
+                                           phase="forward")])
+        return future
 
 
 def receive_skip(pipe_id: str, index: int, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor,
