@@ -83,6 +83,12 @@ class LocalWorkers:
         # Stage work runs on many RPC/autograd threads; glibc's per-thread arenas then keep returning
         # memory to the OS and page-faulting it back (ResNet-style, m=8: 321 -> 259 ms per step).
         env.setdefault("MALLOC_ARENA_MAX", "1")
+        # Activations above glibc's mmap threshold (128 KiB at first) are mapped fresh and fault in on
+        # every allocation, and freed heap tops are trimmed back to the OS: keep both in the heap, as
+        # a training step reaches the same peak every time (8 x Linear(2048), m=16: minor faults per
+        # step and worker 5-32k -> 0.5-1k, step 770-802 -> 708-730 ms).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))  # glibc's largest allowed value
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
         # torch.set_num_threads binds the calling thread only (MKL's count is thread-local), and stage
         # work runs on RPC threads that would otherwise start OpenMP teams sized to every core, whose
         # spinning members steal the other stages' cores. These bind every thread of the worker.

@@ -39,9 +39,10 @@ def test_twenty_create_use_close_cycles_leak_nothing(cluster):
         assert a["threads"] <= b["threads"] + 2, (process, b, a)
 
 
-def test_local_workers_bind_every_thread_to_their_thread_count(cluster):
+def test_local_workers_environment_defaults(cluster):
     # torch.set_num_threads binds only the calling thread; OpenMP and MKL read these for the RPC and
     # autograd threads that run the stages (unset, each would start a team as large as the machine).
+    # The malloc settings keep activations from page-faulting in afresh on every micro-batch.
     import torch.distributed.rpc as rpc
 
     from tests.distributed.probes import environment
@@ -49,7 +50,7 @@ def test_local_workers_bind_every_thread_to_their_thread_count(cluster):
     import os
 
     defaults = {"OMP_NUM_THREADS": str(cluster.threads), "MKL_NUM_THREADS": str(cluster.threads),
-                "MALLOC_ARENA_MAX": "1"}
+                "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
     expected = {key: os.environ.get(key, value) for key, value in defaults.items()}  # the user's setting wins
     for name in cluster.names:
         assert rpc.rpc_sync(name, environment, args=(list(expected),)) == expected
