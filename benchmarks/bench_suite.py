@@ -139,7 +139,10 @@ def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
     load_start = loadavg()
     model, balance, data = spec.build(), spec.balance(n), spec.data()
     log(f"{spec.name}, {n} stages: measuring per-stage compute ...")
-    per_mb = {m: stage_compute(model, balance, data[0], math.ceil(spec.batch / m), args.warmup, args.compute_repeats)
+    # A micro-batch's compute is timed over m calls per repeat (a whole batch's worth), so small ones
+    # are timed as long as big ones and the noise of a short call does not decide the ideal.
+    per_mb = {m: stage_compute(model, balance, data[0], math.ceil(spec.batch / m), args.warmup * m,
+                               args.compute_repeats * m)
               for m in args.chunks}
     full = per_mb[1] if 1 in per_mb else stage_compute(model, balance, data[0], spec.batch, args.warmup,
                                                        args.compute_repeats)
@@ -194,11 +197,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in args.models:
                     result["sections"].append(run_section(cluster, group, SPECS[name], n, args))
         if args.scaling_chunks:
-            log("scaling: MLP step time vs chunks ...")
+            log("scaling: MLP step time vs chunks, fixed micro-batch size ...")
             spec = SPECS["mlp"]
             result["scaling"] = scaling(cluster.names, spec.build(), spec.balance(2), spec.data(), spec.loss_fn(),
-                                        args.scaling_chunks, args.scaling_checkpoint, args.warmup, args.scaling_repeats,
-                                        args.compute_repeats)
+                                        args.scaling_chunks, args.scaling_micro_batch, args.scaling_checkpoint,
+                                        args.warmup, args.scaling_repeats, args.compute_repeats)
         if args.hop_sizes:
             log("stage hops (bench_core.bench_hops) ...")
             result["hop"] = bench_hops(cluster.names, args.hop_sizes, args.hop_repeats, args.warmup, grad=True)
@@ -232,6 +235,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="write rrefpipe timelines (results/suite-timelines/) at this chunk count; 0: none")
     p.add_argument("--scaling-chunks", nargs="*", type=int, default=list(SCALING_CHUNKS),
                    help="chunk counts for the MLP scaling sweep (none: skip)")
+    p.add_argument("--scaling-micro-batch", type=int, default=4,
+                   help="samples per micro-batch in the sweep (the mini-batch is chunks x this)")
     p.add_argument("--scaling-checkpoint", choices=MODES, default="never", help="checkpoint mode of the sweep")
     p.add_argument("--scaling-repeats", type=int, default=3, help="timed steps per point of the sweep")
     p.add_argument("--hop-sizes", nargs="*", choices=list(SIZES), default=list(SIZES),

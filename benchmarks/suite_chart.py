@@ -40,10 +40,10 @@ def _scaling(ax: Any, sc: dict[str, Any]) -> None:
         ax.plot(xs, [fit["intercept"] + fit["slope"] * x for x in xs], "k--", lw=1,
                 label=f"fit m>=8: {fit['slope']:.2f} ms/mb, R² {fit['r2']:.3f}")
     ax.plot(xs, [r["ideal_mb_ms"] for r in sc["rows"]], "k:", lw=1, label="ideal@mb")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"rrefpipe MLP step time vs chunks ({sc['checkpoint']})", fontsize=9)
+    per_mb = f", {sc['micro_batch']} samples/micro-batch" if "micro_batch" in sc else f", batch {sc.get('batch')}"
+    ax.set_title(f"rrefpipe MLP step time vs chunks ({sc['checkpoint']}{per_mb})", fontsize=9)
     ax.set_xlabel("chunks", fontsize=8)
     ax.set_ylabel("ms per step", fontsize=8)
     ax.legend(fontsize=7)

