@@ -226,7 +226,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS), help="models to run")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="stage counts")
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each measurement")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps before each measurement (a worker warms up per RPC thread: oneDNN/MKL keep "
+                   "per-thread state)")
     p.add_argument("--repeats", type=int, default=4, help="timed steps per configuration (median reported)")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
     p.add_argument("--rpc-repeats", type=int, default=15, help="timed raw rpc_sync calls per boundary size")

@@ -111,10 +111,10 @@ def print_scaling(sc: dict[str, Any]) -> None:
         if key in sc:
             f = sc[key]
             print(f"  linear fit ({label}): {f['intercept']:.1f} ms + {f['slope']:.3f} ms x m, R² {f['r2']:.3f}")
-    if "worst_over_fit" in sc:
-        w = sc["worst_over_fit"]
-        print(f"  worst point vs the m >= 8 fit: m={w['chunks']} at {w['ratio']:.2f} x (cliff above "
-              f"{sc['cliff_threshold']:.2f} x)")
+    if "worst_marginal" in sc:
+        w = sc["worst_marginal"]
+        print(f"  costliest step between neighbouring m >= 8: up to m={w['chunks']}, {w['ms_per_microbatch']:.2f} ms per "
+              f"added micro-batch = {w['ratio']:.2f} x the fitted slope (a cliff: above {sc['cliff_threshold']:.2f} x)")
 
 
 def print_all(result: dict[str, Any]) -> None:

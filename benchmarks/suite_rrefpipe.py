@@ -157,9 +157,11 @@ def scaling(names: Sequence[str], model: nn.Sequential, balance: Sequence[int], 
     if len(tail) >= 3:
         fit = linear_fit([x for x, _ in tail], [y for _, y in tail])
         out["fit_m_ge_8"] = fit
-        worst = max(tail, key=lambda p: p[1] / (fit["intercept"] + fit["slope"] * p[0]))
-        out["worst_over_fit"] = {"chunks": worst[0],
-                                 "ratio": worst[1] / (fit["intercept"] + fit["slope"] * worst[0])}
+        # A cliff is a jump in what one more micro-batch costs: compare each step between neighbouring
+        # points, (step(m2) - step(m1)) / (m2 - m1), with the fitted slope.
+        marginal = [((b[1] - a[1]) / (b[0] - a[0]), b[0]) for a, b in zip(tail, tail[1:])]
+        worst_cost, worst_m = max(marginal)
+        out["worst_marginal"] = {"chunks": worst_m, "ms_per_microbatch": worst_cost, "ratio": worst_cost / fit["slope"]}
     return out
 
 

@@ -120,14 +120,17 @@ def recompute_cost(result: dict[str, Any], bound: float = 1.35) -> Target:
 
 def linear_scaling(result: dict[str, Any], r2: float = 0.95) -> Target:
     sc = result.get("scaling")
-    if not sc or "fit_m_ge_8" not in sc:
-        return _target("step time linear in m, no cliff up to 256", None, "scaling not measured (needs 3+ m >= 8)")
-    fit, worst = sc["fit_m_ge_8"], sc["worst_over_fit"]
+    name = f"step time linear in m (R² >= {r2} for m >= 8), no cliff up to 256"
+    if not sc or "fit_m_ge_8" not in sc or "worst_marginal" not in sc:
+        return _target(name, None, "scaling not measured (needs 3+ m >= 8; runs before this version lack the cliff check)")
+    fit, worst = sc["fit_m_ge_8"], sc["worst_marginal"]
     met = fit["r2"] >= r2 and worst["ratio"] <= sc["cliff_threshold"]
     all_fit = sc.get("fit_all", {})
-    return _target(f"step time linear in m (R² >= {r2} for m >= 8), no point > {sc['cliff_threshold']} x fit", met,
-                   f"slope {fit['slope']:.3f} ms/micro-batch, R² {fit['r2']:.3f} (all m: R² {all_fit.get('r2', 0):.3f}), "
-                   f"worst m={worst['chunks']} at {worst['ratio']:.2f} x fit, largest m {sc['rows'][-1]['chunks']}"
+    return _target(f"{name} (no step between points > {sc['cliff_threshold']} x the fitted cost per micro-batch)", met,
+                   f"{sc.get('micro_batch', '?')} samples per micro-batch: slope {fit['slope']:.2f} ms/micro-batch, "
+                   f"R² {fit['r2']:.3f} (all m: R² {all_fit.get('r2', 0):.3f}); costliest step up to m={worst['chunks']}:"
+                   f" {worst['ms_per_microbatch']:.2f} ms/micro-batch = {worst['ratio']:.2f} x slope; largest m "
+                   f"{sc['rows'][-1]['chunks']}"
                    + (f"; step - ideal@mb: {sc['fit_overhead']['intercept']:.0f} ms + {sc['fit_overhead']['slope']:.2f} ms"
                       f" x m" if "fit_overhead" in sc else ""))
 

@@ -227,7 +227,10 @@ class Pipe(nn.Module):
         return list(self._driver.infos)
 
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
-        """Per stage: ``{'activation': (tensors, bytes), 'skip': (tensors, bytes)}`` it has received."""
+        """Per stage: ``{'activation': (tensors, bytes), 'skip': (tensors, bytes)}`` it has received.
+
+        The first stage receives each step's whole input as one activation message (it splits it into
+        micro-batches itself); later stages receive one activation message per micro-batch."""
         if isinstance(self._driver, LocalDriver):
             raise RuntimeError("traffic is counted on stage workers; this pipe runs in-process")
         return self._driver.traffic()
