@@ -119,22 +119,7 @@ class StageServer:
         jobs = self._arrive(meta, "activation", value,
                             {i: self._activation(batch, phony, frozenset()) for i, batch in enumerate(batches)})
         done: Future[list[Failure]] = Future()
-        futures = [job.future for job in jobs] if jobs else [self._stale(0)]
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_: Future[Status]) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            try:
-                done.set_result([status for f in futures if (status := f.value()) is not None])
-            except Exception as exc:
-                done.set_exception(exc)  # type: ignore[arg-type]  # (torch stub types it as the result)
-
-        for future in futures:
-            future.add_done_callback(one_done)
+        _when_all([job.future for job in jobs] if jobs else [self._stale(0)], _failures, done)
         return done
 
     def receive_skip(self, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor, phony: Tensor | None) -> None:
@@ -220,7 +205,7 @@ class StageServer:
             self._kept[job.i] = out.value
         else:
             sends.append(self._push(job, out, job.nones | {k for k, t in out.skips.items() if t is None}))
-        _resolve_when_all(job.future, sends)
+        _when_all(sends, _first_failure, job.future)
 
     def _send_skips(self, job: _Job, out: StageOutput) -> list[Future[Status]]:
         assert job.meta is not None
@@ -283,13 +268,13 @@ class StageServer:
         return microbatch.gather([kept[i] for i in sorted(kept)])
 
 
-def _resolve_when_all(target: Future[Status], sends: list[Future[Status]]) -> None:
-    """Complete ``target`` with the first failure among ``sends`` (None if all went through); a send
-    that raised (a raw RPC future) makes ``target`` raise too."""
-    if not sends:
-        target.set_result(None)
+def _when_all(futures: list[Future[Status]], combine: Callable[[list[Status]], Any], target: Future[Any]) -> None:
+    """Once every future is done, complete ``target`` with ``combine`` of their results; if one of them
+    raised (a raw RPC future), ``target`` raises too."""
+    if not futures:
+        target.set_result(combine([]))
         return
-    remaining = [len(sends)]
+    remaining = [len(futures)]
     lock = threading.Lock()
 
     def one_done(_: Future[Status]) -> None:
@@ -298,12 +283,20 @@ def _resolve_when_all(target: Future[Status], sends: list[Future[Status]]) -> No
             if remaining[0]:
                 return
         try:
-            target.set_result(next((s.value() for s in sends if s.value() is not None), None))
+            target.set_result(combine([f.value() for f in futures]))
         except Exception as exc:
-            target.set_exception(exc)  # type: ignore[arg-type]  # (torch stub types it as the result)
+            target.set_exception(exc)
 
-    for send in sends:
-        send.add_done_callback(one_done)
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
+def _first_failure(statuses: list[Status]) -> Status:
+    return next((s for s in statuses if s is not None), None)
+
+
+def _failures(statuses: list[Status]) -> list[Failure]:
+    return [s for s in statuses if s is not None]
 
 
 # -- registry and RPC entry points (run on the stage's worker) ---------------------------------------
@@ -339,7 +332,7 @@ def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes) ->
     peers |= {workers[k] for k in routes.outgoing.values()}
     pings = [rpc.rpc_async(peer, _noop, timeout=30) for peer in peers]
     done: Future[None] = Future()
-    _resolve_when_all(done, pings)  # type: ignore[arg-type]
+    _when_all(pings, _first_failure, done)
     return done
 
 
