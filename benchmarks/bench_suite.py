@@ -1,6 +1,6 @@
 """Issue #5's benchmark suite: rrefpipe against plain PyTorch, torch.distributed.pipelining and the ideal.
 
-``python benchmarks/bench_suite.py`` (about 15 minutes on 2 CPU cores; ``--quick``: a smoke run under
+``python benchmarks/bench_suite.py`` (about 19 minutes on 2 CPU cores; ``--quick``: a smoke run under
 2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
 ``suite.png`` (``--out``). For each model (``--models``), stage count (``--stages``) and chunk count
 (``--chunks``), in the same run, on the same model, mini-batch and layer split:
@@ -19,9 +19,10 @@ Every contestant's timed step includes the SGD optimizer step (``opt.step()`` on
 pipelining, ``DistributedOptimizer.step`` for rrefpipe, ``opt.step()`` for plain). Steps are the
 median of ``--repeats`` after ``--warmup`` untimed ones; for each chunk count the contestants run
 back to back (order alternating), so a load change hits them alike. Also: memory kept for backward per
-stage and checkpoint mode (``rrefpipe.memory``), step time against chunks up to 256 on the MLP, the
-stage-hop cost against raw rpc_sync (``bench_core.bench_hops``), and the execution record of every
-rrefpipe configuration (``suite_record``). Every stage process runs 1 intra-op thread. The load
+stage and checkpoint mode (``rrefpipe.memory``), step time against chunks up to 256 on the MLP at a
+fixed micro-batch size (``--scaling-micro-batch``), the stage-hop cost against raw rpc_sync
+(``bench_core.bench_hops``), and the execution record of every rrefpipe configuration
+(``suite_record``). Every stage process runs 1 intra-op thread. The load
 average is recorded at the start and end of the run and of each section: other processes skew
 everything on a 2-core machine. No number here is asserted.
 """
