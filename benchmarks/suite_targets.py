@@ -124,7 +124,9 @@ def linear_scaling(result: dict[str, Any], r2: float = 0.95) -> Target:
     if not sc or "fit_m_ge_8" not in sc or "worst_marginal" not in sc:
         return _target(name, None, "scaling not measured (needs 3+ m >= 8; runs before this version lack the cliff check)")
     fit, worst = sc["fit_m_ge_8"], sc["worst_marginal"]
-    met = fit["r2"] >= r2 and worst["ratio"] <= sc["cliff_threshold"]
+    met: bool | None = fit["r2"] >= r2 and worst["ratio"] <= sc["cliff_threshold"]
+    if met and sc["rows"][-1]["chunks"] < 256:
+        met = None  # linear as far as it went, but the target is about m up to 256
     all_fit = sc.get("fit_all", {})
     return _target(f"{name} (no step between points > {sc['cliff_threshold']} x the fitted cost per micro-batch)", met,
                    f"{sc.get('micro_batch', '?')} samples per micro-batch: slope {fit['slope']:.2f} ms/micro-batch, "
