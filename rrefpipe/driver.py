@@ -33,11 +33,14 @@ __all__: list[str] = []
 
 
 class _Collector:
-    """Outputs of one forward pass, filled in by ``deliver`` on RPC threads."""
+    """Outputs of one forward pass, filled in by ``deliver`` on RPC threads; ``done`` is set when the
+    last one is in (or, from the driver, when the first stage reports the step finished or failed)."""
 
     def __init__(self, chunks: int) -> None:
         self.outputs: list[TensorOrTensors | None] = [None] * chunks
+        self.missing = chunks
         self.lock = threading.Lock()
+        self.done = threading.Event()
 
 
 _collectors: dict[tuple[str, int], _Collector] = {}
@@ -58,7 +61,11 @@ def deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tens
     if phony is not None:
         value = join(value, phony)
     with collector.lock:
+        if collector.outputs[i] is None:
+            collector.missing -= 1
         collector.outputs[i] = value
+        if not collector.missing:
+            collector.done.set()
 
 
 def _send_copy(t: Tensor) -> Tensor:
@@ -161,7 +168,7 @@ class RemoteDriver:
             collector = _Collector(len(batches))
             _collectors[(self.pipe_id, step)] = collector
             try:
-                self._run(meta, value)
+                self._run(meta, value, collector)
             finally:
                 del _collectors[(self.pipe_id, step)]
         if self.remote_output:
@@ -211,18 +218,42 @@ class RemoteDriver:
                                transport=True).to_exception()
         return exc
 
-    def _run(self, meta: StepMeta, value: TensorOrTensors) -> None:
+    def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:
         """Send the whole input to the first stage in one message (it splits it into micro-batches)
-        and wait until every micro-batch has gone through, or failed somewhere."""
+        and wait until every output is here, or the first stage reports the step over (failed, or done
+        when outputs stay on the last worker).
+
+        Outputs usually arrive before that report, which travels back stage by stage once the last
+        stage's deliveries are acknowledged: not waiting for it saves one reply per stage per step.
+        Once every output is here nothing of the step can fail any more (skips and activations have
+        all arrived where they were going)."""
         first = self.workers[0]
         phony = new_phony() if meta.grad_enabled else None
         try:
-            failures = rpc.rpc_async(first, server.receive_batch, timeout=self.rpc_timeout,
-                                     args=(self.pipe_id, 0, meta, microbatch.apply(_send_copy, value), phony)).wait()
+            report = rpc.rpc_async(first, server.receive_batch, timeout=self.rpc_timeout,
+                                   args=(self.pipe_id, 0, meta, microbatch.apply(_send_copy, value), phony))
+        except Exception as exc:
+            raise _first_cause([Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward",
+                                                transport=True)]) from None
+        if meta.deliver_to is not None:
+            report.add_done_callback(lambda _: collector.done.set())
+            collector.done.wait()
+            if not report.done() or (not collector.missing and _succeeded(report)):
+                return
+        try:
+            failures = report.wait()
         except Exception as exc:
             failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
             raise _first_cause(failures)
+
+
+def _succeeded(report: Any) -> bool:
+    """Whether a finished report says every micro-batch went through."""
+    try:
+        return not report.wait()
+    except Exception:
+        return False
 
 
 _NODE = re.compile(r"Error on Node (\d+): ")
