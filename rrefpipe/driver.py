@@ -238,22 +238,14 @@ class RemoteDriver:
         if meta.deliver_to is not None:
             report.add_done_callback(lambda _: collector.done.set())
             collector.done.wait()
-            if not report.done() or (not collector.missing and _succeeded(report)):
-                return
+            if not report.done():
+                return  # every output is in; the report is still on its way
         try:
             failures = report.wait()
         except Exception as exc:
             failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
             raise _first_cause(failures)
-
-
-def _succeeded(report: Any) -> bool:
-    """Whether a finished report says every micro-batch went through."""
-    try:
-        return not report.wait()
-    except Exception:
-        return False
 
 
 _NODE = re.compile(r"Error on Node (\d+): ")
