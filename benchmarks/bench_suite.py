@@ -163,7 +163,8 @@ def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
         row["rpc_step_ms"] = 2 * m * row["rpc_mb_ms"]  # the busiest boundary's traffic, forward + backward
         rows.append(row)
     input_bytes = [math.prod(s) * 4 for s in shapes]
-    mem = memory_by_mode(names, model, balance, data, spec.loss_fn(), args.memory_chunks, MODES, input_bytes)
+    mem = (memory_by_mode(names, model, balance, data, spec.loss_fn(), args.memory_chunks, MODES, input_bytes)
+           if args.memory_chunks > 0 else None)
     return {"name": spec.name, "model": spec.description, "stages": n, "balance": balance, "batch": spec.batch,
             "stage_compute": full, "stage_compute_per_microbatch": {str(m): c for m, c in per_mb.items()},
             "boundary_shapes": shapes, "rpc_floor_ms": floor, "rows": rows, "memory": mem,
@@ -233,7 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=4, help="timed steps per configuration (median reported)")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
     p.add_argument("--rpc-repeats", type=int, default=15, help="timed raw rpc_sync calls per boundary size")
-    p.add_argument("--memory-chunks", type=int, default=4, help="chunks for the memory measurement")
+    p.add_argument("--memory-chunks", type=int, default=4, help="chunks for the memory measurement (0: skip it)")
     p.add_argument("--timeline-chunks", type=int, default=8,
                    help="write rrefpipe timelines (results/suite-timelines/) at this chunk count; 0: none")
     p.add_argument("--scaling-chunks", nargs="*", type=int, default=list(SCALING_CHUNKS),

@@ -12,10 +12,14 @@ receiver's output::
 
 In backward the phony's gradient is an empty tensor, so the hop costs nothing, but every ``recv``
 is reachable from the loss and every ``send`` gets its gradient.
+
+On a stage the join, the fork and the marker that times the start of backward are one autograd node
+(:func:`hop`): each Python node costs a GIL acquisition in backward, on the autograd engine's threads
+that otherwise run only C++ and compete with the RPC threads for the GIL.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +71,22 @@ class _Marker(torch.autograd.Function):
         return (None, *grads)
 
 
+class _Hop(torch.autograd.Function):
+    """Join ``phonies`` into ``tensor``, fork a phony off it, and call ``callback`` when its gradient
+    arrives: what :func:`join`, :func:`fork` and :func:`mark` do on a stage's output, in one node."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], tensor: Tensor, *phonies: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.callback = callback
+        ctx.phony_devices = [p.device for p in phonies]
+        return tensor.detach(), torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, grad, *(torch.empty(0, device=d) for d in ctx.phony_devices))
+
+
 def _first(value: TensorOrTensors) -> Tensor:
     return value if isinstance(value, Tensor) else value[0]
 
@@ -86,10 +106,25 @@ def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
     return _replace_first(value, _Join.apply(_first(value), phony))
 
 
+def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None]
+        ) -> tuple[TensorOrTensors, Tensor]:
+    """``value`` (its first tensor joined with ``phonies``), and a phony forked off it for the next
+    hop; ``callback`` runs when the gradient of the first tensor arrives (the other tensors of the
+    output travel in the same RPC message, so their gradients arrive with it)."""
+    first, phony = _Hop.apply(callback, _first(value), *phonies)
+    return _replace_first(value, first), phony
+
+
 def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:
     """Return ``value`` unchanged; ``callback`` runs once all gradients for it have arrived."""
     tensors = as_tensors(value)
-    if not any(t.requires_grad for t in tensors):
+    needing = [t for t in tensors if t.requires_grad]
+    if not needing:
+        return value
+    if len(needing) == 1 and needing[0].grad_fn is not None:
+        # One intermediate tensor (a received input, a micro-batch view): a hook is cheaper than a node,
+        # and it dies with the tensor (never put one on a leaf: a user's tensor would keep it).
+        needing[0].register_hook(lambda grad: callback())
         return value
     marked = _Marker.apply(callback, *tensors)
     return marked[0] if isinstance(value, Tensor) else tuple(marked)

@@ -17,7 +17,7 @@ from . import microbatch
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import is_recomputing, run_checkpointed
 from .errors import Failure
-from .dependency import after_parameter_grads, fork, join, mark, new_phony
+from .dependency import after_parameter_grads, fork, hop, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.skippable import skippable_layers
@@ -119,11 +119,11 @@ class Stage:
                 return StageOutput(out, None, outgoing)
             if not inputs_need_grad and not after_parameter_grads(out, backward_end):
                 out = mark(out, backward_end)  # no inputs or parameters needing grad: an instant backward
-            for phony in phonies:
-                out = join(out, phony)
-            result = StageOutput(out)
+            started = self._backward_callback(meta.step, i, "start")
             if phonies:  # the output crosses an RPC hop
-                result.value, result.phony = fork(out)
+                result = StageOutput(*hop(out, phonies, started))
+            else:
+                result = StageOutput(mark(out, started))
             for key, tensor in outgoing.items():
                 if tensor is not None and phonies:  # a skip message must be recorded, like any hop
                     if tensor.requires_grad:
@@ -132,7 +132,6 @@ class Stage:
                     else:
                         result.skip_phonies[key] = new_phony()
                 result.skips[key] = tensor
-            result.value = mark(result.value, self._backward_callback(meta.step, i, "start"))
         return result
 
     def _to_device(self, t: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 import torch
 
-from rrefpipe.dependency import fork, join, mark, new_phony
+from rrefpipe.dependency import fork, hop, join, mark, new_phony
 
 
 def test_fork_join_are_identities_that_pass_gradients():
@@ -31,3 +31,43 @@ def test_mark_calls_back_once_all_gradients_arrived():
     (ma * 3).sum().backward()
     assert calls == [1]
     torch.testing.assert_close(a.grad, torch.full((2,), 3.0))
+
+
+def test_mark_on_one_intermediate_tensor_calls_back_without_a_new_node():
+    calls = []
+    x = torch.randn(2, requires_grad=True)
+    h = x * 2
+    assert mark(h, lambda: calls.append(1)) is h  # a hook, not a node: the value is the same tensor
+    (h * 3).sum().backward()
+    assert calls == [1]
+    torch.testing.assert_close(x.grad, torch.full((2,), 6.0))
+
+
+def test_mark_leaves_no_hook_on_a_leaf():
+    calls = []
+    x = torch.randn(2, requires_grad=True)
+    marked = mark(x, lambda: calls.append(1))
+    assert marked is not x and not x._backward_hooks  # the user's tensor keeps nothing of this step
+    marked.sum().backward()
+    assert calls == [1]
+
+
+def test_hop_joins_forks_and_marks_in_one_node():
+    calls = []
+    x = torch.randn(3, requires_grad=True)
+    p = new_phony()
+    (y, extra), phony = hop((x * 2, torch.ones(1)), [p], lambda: calls.append(1))
+    assert phony.numel() == 0 and phony.requires_grad and not extra.requires_grad
+    assert y.grad_fn is phony.grad_fn  # one node for the join, the fork and the marker
+    y.sum().backward()
+    assert calls == [1]
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert p.grad is not None and p.grad.numel() == 0  # the incoming hop is reached in backward
+
+
+def test_hop_makes_a_gradient_free_output_depend_on_its_phonies():
+    p = new_phony()
+    y, _ = hop(torch.ones(2), [p], lambda: None)
+    assert y.requires_grad
+    y.sum().backward()
+    assert p.grad is not None
