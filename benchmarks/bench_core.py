@@ -94,7 +94,7 @@ def summary(samples: Sequence[float]) -> dict[str, float]:
     data = sorted(samples)
     deciles = statistics.quantiles(data, n=10) if len(data) > 1 else [data[0]] * 9
     return {"median_ms": ms(statistics.median(data)), "p10_ms": ms(deciles[0]), "p90_ms": ms(deciles[-1]),
-            "n": len(data)}
+            "n": len(data), "samples_ms": [ms(t) for t in samples]}
 
 
 def time_calls(fn: Timer, warmup: int, repeats: int) -> list[float]:

@@ -17,8 +17,9 @@
 
 Every contestant's timed step includes the SGD optimizer step (``opt.step()`` on every stage for
 pipelining, ``DistributedOptimizer.step`` for rrefpipe, ``opt.step()`` for plain). Steps are the
-median of ``--repeats`` after ``--warmup`` untimed ones; for each chunk count the contestants run
-back to back (order alternating), so a load change hits them alike. Also: memory kept for backward per
+median of ``--repeats`` after ``--warmup`` untimed ones, pooled over ``--rounds`` rounds: for each chunk
+count the contestants run back to back, round after round (order alternating), so a load change hits
+them alike. Also: memory kept for backward per
 stage and checkpoint mode (``rrefpipe.memory``), step time against chunks up to 256 on the MLP at a
 fixed micro-batch size (``--scaling-micro-batch``), the stage-hop cost against raw rpc_sync
 (``bench_core.bench_hops``), and the execution record of every rrefpipe configuration
@@ -96,9 +97,30 @@ def pipelining_row(group: PipeliningGroup, spec: ModelSpec, schedule: str, m: in
 
 def one_chunk_count(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int, m: int, k: int,
                     ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """All contestants at ``m`` micro-batches, back to back (order reversed on odd ``k``)."""
-    order = [*SCHEDULES, *MODES] if k % 2 == 0 else [*SCHEDULES, *MODES][::-1]
-    contestants: dict[str, Any] = {}
+    """All contestants at ``m`` micro-batches, back to back, ``--rounds`` times (the order reversed
+    every other round and on odd ``k``); each contestant's timed steps of all rounds are pooled."""
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for r in range(args.rounds):
+        order = [*SCHEDULES, *MODES] if (k + r) % 2 == 0 else [*SCHEDULES, *MODES][::-1]
+        for key, row in one_round(names, group, spec, n, m, order, ctx, args).items():
+            rounds.setdefault(key, []).append(row)
+    contestants = {key: pooled(rows, spec.batch) for key, rows in rounds.items()}
+    for key, row in contestants.items():
+        if "error" not in row:
+            add_ideal(row, ctx["full"], ctx["per_mb"][m], spec.batch, m, CHECKPOINTED.get(key, lambda m: 0)(m))
+        if row.get("record"):
+            add_inflation(row["record"], ctx["per_mb"][m], m, CHECKPOINTED[key](m))
+    out: dict[str, Any] = {"chunks": m, "ideal_step_ms": ideal_step_ms(ctx["full"], m, 0, False),  # no recompute
+                           "ideal_mb_step_ms": ideal_step_ms(ctx["per_mb"][m], m, 0, True),
+                           "contestants": {key: contestants[key] for key in [*SCHEDULES, *MODES]}}
+    out["ideal_samples_per_s"] = spec.batch / (out["ideal_step_ms"] / 1e3)
+    out["ideal_mb_samples_per_s"] = spec.batch / (out["ideal_mb_step_ms"] / 1e3)
+    return out
+
+
+def one_round(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int, m: int, order: list[str],
+              ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
     for key in order:
         if key in SCHEDULES:
             row = pipelining_row(group, spec, key, m, n, args)
@@ -107,19 +129,24 @@ def one_chunk_count(names: list[str], group: PipeliningGroup, spec: ModelSpec, n
                   if m == args.timeline_chunks else None)
             row = time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, key,
                             args.warmup, args.repeats, timeline=tl, pids=ctx["pids"])
-        if "error" not in row:
-            add_ideal(row, ctx["full"], ctx["per_mb"][m], spec.batch, m, CHECKPOINTED.get(key, lambda m: 0)(m))
-        if row.get("record"):
-            add_inflation(row["record"], ctx["per_mb"][m], m, CHECKPOINTED[key](m))
-        contestants[key] = row
+        rows[key] = row
         log(f"  {spec.name} {n}st m={m} {key}: " + (f"{row['samples_per_s']:.0f} samples/s" if "error" not in row
                                                     else row["error"].splitlines()[0]))
-    out: dict[str, Any] = {"chunks": m, "ideal_step_ms": ideal_step_ms(ctx["full"], m, 0, False),  # no recompute
-                           "ideal_mb_step_ms": ideal_step_ms(ctx["per_mb"][m], m, 0, True),
-                           "contestants": {key: contestants[key] for key in [*SCHEDULES, *MODES]}}
-    out["ideal_samples_per_s"] = spec.batch / (out["ideal_step_ms"] / 1e3)
-    out["ideal_mb_samples_per_s"] = spec.batch / (out["ideal_mb_step_ms"] / 1e3)
-    return out
+    return rows
+
+
+def pooled(rows: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """One contestant's rounds as one row: the step statistics of every timed step of every round; the
+    rest (CPU, execution record) from the first round. An error in any round is the row's error."""
+    from bench_core import summary
+
+    failed = next((row for row in rows if "error" in row), None)
+    if failed is not None or len(rows) == 1:
+        return failed or rows[0]
+    times = [t / 1e3 for row in rows for t in row["step"]["samples_ms"]]
+    step = summary(times)
+    return {**rows[0], "step": step, "samples_per_s": batch / (step["median_ms"] / 1e3),
+            "round_medians_ms": [row["step"]["median_ms"] for row in rows]}
 
 
 def warm_up(names: list[str], group: PipeliningGroup, spec: ModelSpec, ctx: dict[str, Any], m: int,
@@ -231,7 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before each measurement (a worker warms up per RPC thread: oneDNN/MKL keep "
                    "per-thread state)")
-    p.add_argument("--repeats", type=int, default=4, help="timed steps per configuration (median reported)")
+    p.add_argument("--repeats", type=int, default=4, help="timed steps per configuration and round")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times every contestant runs at each chunk count, interleaved (the median is over the "
+                        "timed steps of all rounds): a burst of load then hits no contestant alone")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
     p.add_argument("--rpc-repeats", type=int, default=15, help="timed raw rpc_sync calls per boundary size")
     p.add_argument("--memory-chunks", type=int, default=4, help="chunks for the memory measurement (0: skip it)")
@@ -254,11 +284,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.stages, args.chunks = [2], [2, 8]
-        args.warmup, args.repeats, args.compute_repeats, args.rpc_repeats = 1, 3, 1, 5
+        args.warmup, args.repeats, args.compute_repeats, args.rpc_repeats, args.rounds = 1, 3, 1, 5, 1
         args.scaling_chunks, args.hop_sizes, args.hop_repeats = [8, 16, 32], ["4KB", "1MB"], 6
     batch = min(SPECS[m].batch for m in args.models)
-    if min(args.chunks) < 1 or max(args.chunks) > batch or args.warmup < 0 or args.repeats < 1:
-        p.error(f"need 1 <= chunks <= {batch} (the smallest batch), --warmup >= 0, --repeats >= 1")
+    if (min(args.chunks) < 1 or max(args.chunks) > batch or args.warmup < 0 or args.repeats < 1
+            or args.rounds < 1):
+        p.error(f"need 1 <= chunks <= {batch} (the smallest batch), --warmup >= 0, --repeats >= 1, --rounds >= 1")
     args.chunks = sorted(set(args.chunks))
     return args
 
@@ -271,7 +302,7 @@ def report(result: dict[str, Any], out: Path) -> None:
           f"{m['worker_threads']} intra-op each; pipelining ranks [intra, inter]: "
           + ", ".join(f"{k[-3:]} {v}" for k, v in m.items() if k.startswith("pipelining_threads"))
           + f"; plain: 1 and 2 intra-op\ntimed step = forward + loss + backward + SGD step; median of {st['repeats']} "
-          f"after {st['warmup']} warm-up\nload average (1/5/15 min) at start {result['loadavg_start']}, "
+          f"x {st.get('rounds', 1)} rounds, each after {st['warmup']} warm-up\nload average (1/5/15 min) at start {result['loadavg_start']}, "
           f"at end {result['loadavg_end']}")
     print_all(result)
     print_targets(result["targets"])
