@@ -58,8 +58,8 @@ def deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tens
     collector = _collectors.get((pipe_id, step))
     if collector is None:
         return  # a step the driver already gave up on
-    if phony is not None:
-        value = join(value, phony)
+    if phony is not None and not microbatch.as_tensors(value)[0].requires_grad:
+        value = join(value, phony)  # else the message is reachable through the value (no extra node)
     with collector.lock:
         if collector.outputs[i] is None:
             collector.missing -= 1
