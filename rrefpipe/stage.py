@@ -80,6 +80,7 @@ class Stage:
         self.recorder = Recorder(index, worker)
         self.routes = SkipRoutes({}, frozenset())
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        self._skippable = any(True for _ in skippable_layers(self.module))  # else no skip tracker is needed
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
 
@@ -145,24 +146,29 @@ class Stage:
 
         def run(value: TensorOrTensors) -> TensorOrTensors:
             again = is_recomputing()
-            router = StageRouter(self.routes, received, recomputing=again)
-            with self.recorder.span("recompute" if again else "forward", step, i), use_tracker(router):
-                try:
+            start = time.time()
+            try:
+                if not self._skippable:  # the common case: no tracker to install
+                    return self.module(value)
+                router = StageRouter(self.routes, received, recomputing=again)
+                with use_tracker(router):
                     out = self.module(value)
-                except _StopRecomputationError:
-                    raise  # checkpoint's own signal that recomputation went far enough
-                except Exception as exc:
-                    if not again:
-                        raise
-                    # Raised inside backward, where distributed autograd keeps at most the text (from a
-                    # saved-tensor hook, only "python_error"): keep the whole story for the driver to ask.
-                    self.backward_failures.append(Failure.capture(
-                        exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
-                    raise RuntimeError(f"stage {self.index} on worker {self.worker!r}, micro-batch {i} failed in "
-                                       f"recompute: {type(exc).__name__}: {exc}") from exc
-            if not again:
-                outgoing.update(router.outgoing)
-            return out
+                if not again:
+                    outgoing.update(router.outgoing)
+                return out
+            except _StopRecomputationError:
+                raise  # checkpoint's own signal that recomputation went far enough
+            except Exception as exc:
+                if not again:
+                    raise
+                # Raised inside backward, where distributed autograd keeps at most the text (from a
+                # saved-tensor hook, only "python_error"): keep the whole story for the driver to ask.
+                self.backward_failures.append(Failure.capture(
+                    exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
+                raise RuntimeError(f"stage {self.index} on worker {self.worker!r}, micro-batch {i} failed in "
+                                   f"recompute: {type(exc).__name__}: {exc}") from exc
+            finally:
+                self.recorder.add("recompute" if again else "forward", step, i, start, time.time())
 
         return run, outgoing
 
