@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rrefpipe.checkpoint import run_checkpointed
-from suite_models import SPECS, split
+from suite_models import DEFAULT_MODELS, SPECS, split
 
 
 def _timed(fn: Callable[[], Any], calls: int) -> float:
@@ -64,7 +64,7 @@ def stage_costs(stage: torch.nn.Module, inp: torch.Tensor, rounds: int, calls: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=list(SPECS), choices=list(SPECS))
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(SPECS))
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)

@@ -1,6 +1,6 @@
 """Issue #5's benchmark suite: rrefpipe against plain PyTorch, torch.distributed.pipelining and the ideal.
 
-``python benchmarks/bench_suite.py`` (about 19 minutes on 2 CPU cores; ``--quick``: a smoke run under
+``python benchmarks/bench_suite.py`` (about 26 minutes on 2 CPU cores; ``--quick``: a smoke run under
 2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
 ``suite.png`` (``--out``). For each model (``--models``), stage count (``--stages``) and chunk count
 (``--chunks``), in the same run, on the same model, mini-batch and layer split:
@@ -45,7 +45,7 @@ import torch
 import suite_models
 from bench_core import SIZES, bench_hops, ideal_step_ms, loadavg, machine_info, single_process, stage_compute
 from suite_chart import write_chart
-from suite_models import SPECS, ModelSpec, boundary_shapes
+from suite_models import DEFAULT_MODELS, SPECS, ModelSpec, boundary_shapes
 from suite_pipelining import SCHEDULES, PipeliningGroup
 from suite_report import MODES, print_all
 from suite_rrefpipe import memory_by_mode, rpc_floor, scaling, time_pipe
@@ -252,7 +252,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 epilog="The module docstring says exactly what is measured.")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output; the chart goes next to it as .png")
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 stages, chunks 2 8, few repeats")
-    p.add_argument("--models", nargs="+", choices=list(SPECS), default=list(SPECS), help="models to run")
+    p.add_argument("--models", nargs="+", choices=list(SPECS), default=list(DEFAULT_MODELS),
+                   help="models to run ('tiny', next to no compute, shows each framework's cost per micro-batch)")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="stage counts")
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts")
     p.add_argument("--warmup", type=int, default=3,

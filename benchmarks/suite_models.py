@@ -47,6 +47,11 @@ def build_resnet() -> nn.Sequential:
     return nn.Sequential(*stem, *blocks, *head)
 
 
+def build_tiny() -> nn.Sequential:
+    torch.manual_seed(SEED)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+
 def build_transformer() -> nn.Sequential:
     torch.manual_seed(SEED)
     return nn.Sequential(*[nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
@@ -92,7 +97,11 @@ SPECS: dict[str, ModelSpec] = {
                         "cross-entropy", build_resnet, 64, (3, 32, 32), "ce", 10, {2: [5, 7], 3: [4, 2, 6]}),
     "transformer": ModelSpec("transformer", "6 x TransformerEncoderLayer(d=256, 4 heads, ff 1024), seq 32, batch 32, "
                              "MSE", build_transformer, 32, (32, 256), "mse", 0, {2: [3, 3], 3: [2, 2, 2]}),
+    # Next to no compute: what a step costs each framework per micro-batch (not in the default run).
+    "tiny": ModelSpec("tiny", "6 x Linear(64, 64), batch 256, MSE (framework overhead)", build_tiny, 256, (64,),
+                      "mse", 0, {2: [3, 3], 3: [2, 2, 2]}),
 }
+DEFAULT_MODELS = ("mlp", "resnet", "transformer")
 
 
 def split(model: nn.Sequential, balance: list[int]) -> list[nn.Sequential]:
