@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = ["Event", "format_events"]
@@ -49,14 +46,6 @@ class Recorder:
         event = Event(self.stage, self.worker, kind, step, microbatch, start, end)
         with self._lock:
             self._events.append(event)
-
-    @contextmanager
-    def span(self, kind: str, step: int, microbatch: int) -> Iterator[None]:
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.add(kind, step, microbatch, start, time.time())
 
     def snapshot(self, clear: bool = False) -> list[Event]:
         with self._lock:
