@@ -13,7 +13,8 @@ suite's models (``suite_models``, 2 stages) at the micro-batch sizes of the suit
 "recomputation <= 35% extra step time" cannot be met by a pipeline whose bottleneck stage costs more
 than that here. ``1 + no-grad forward / plain`` is the textbook floor (a recomputation is one more
 forward); the recomputed forward records the autograd graph again, so it costs more than that. The
-variants are timed interleaved, in rounds; medians are reported. Prints a table, writes JSON.
+variants are timed interleaved in shuffled rounds (``bench_core.time_interleaved``); medians are
+reported. Prints a table, writes JSON.
 """
 from __future__ import annotations
 
@@ -21,25 +22,18 @@ import argparse
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench_core import time_interleaved
 from rrefpipe.checkpoint import run_checkpointed
 from suite_models import DEFAULT_MODELS, SPECS, split
 
 
-def _timed(fn: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
-
-
-def stage_costs(stage: torch.nn.Module, inp: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+def stage_costs(stage: torch.nn.Module, inp: torch.Tensor, rounds: int) -> dict[str, float]:
     """Median ms of plain, checkpointed and no-grad forward calls of ``stage`` on ``inp``."""
     with torch.no_grad():
         grad = torch.randn_like(stage(inp))
@@ -53,13 +47,9 @@ def stage_costs(stage: torch.nn.Module, inp: torch.Tensor, rounds: int, calls: i
         "checkpointed": lambda: run_checkpointed(stage, inp).backward(grad),
         "forward": forward,
     }
-    for fn in variants.values():  # warm up: oneDNN primitives, the checkpoint machinery
-        _timed(fn, 3)
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            samples[name].append(_timed(fn, calls))
-    return {f"{name}_ms": statistics.median(v) for name, v in samples.items()}
+    # 3 warm-up rounds: oneDNN primitives, the checkpoint machinery
+    samples = time_interleaved(variants, warmup=3, repeats=rounds)
+    return {f"{name}_ms": statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
 def main() -> None:
@@ -67,8 +57,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(SPECS))
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", type=int, default=4, help="calls per timing")
+    p.add_argument("--rounds", type=int, default=20, help="timed calls of each variant, interleaved")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recompute.json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -83,7 +72,7 @@ def main() -> None:
             h = x[:math.ceil(spec.batch / m)]
             for j, stage in enumerate(stages):
                 inp = h.detach().requires_grad_(j > 0)  # stage 0's input needs no gradient, later ones do
-                costs = stage_costs(stage, inp, args.rounds, args.calls)
+                costs = stage_costs(stage, inp, args.rounds)
                 row = {"model": name, "chunks": m, "rows": len(h), "stage": j, **costs,
                        "checkpointed_over_plain": costs["checkpointed_ms"] / costs["plain_ms"],
                        "textbook_floor": 1 + costs["forward_ms"] / costs["plain_ms"]}

@@ -43,7 +43,8 @@ import cloudpickle
 import torch
 
 import suite_models
-from bench_core import SIZES, bench_hops, ideal_step_ms, loadavg, machine_info, single_process, stage_compute
+from bench_core import (SIZES, bench_hops, ideal_step_ms, loadavg, machine_info, single_process, stage_compute,
+                        summary)
 from suite_chart import write_chart
 from suite_models import DEFAULT_MODELS, SPECS, ModelSpec, boundary_shapes
 from suite_pipelining import SCHEDULES, PipeliningGroup
@@ -82,8 +83,6 @@ def add_inflation(rec: dict[str, Any], costs_mb: list[dict[str, float]], m: int,
 
 def pipelining_row(group: PipeliningGroup, spec: ModelSpec, schedule: str, m: int, n: int,
                    args: argparse.Namespace) -> dict[str, Any]:
-    from bench_core import summary
-
     if schedule == "1f1b" and m < n:
         return {"error": f"n/a: Schedule1F1B needs chunks >= stages ({m} < {n})"}
     try:
@@ -138,8 +137,6 @@ def one_round(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int,
 def pooled(rows: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     """One contestant's rounds as one row: the step statistics of every timed step of every round; the
     rest (CPU, execution record) from the first round. An error in any round is the row's error."""
-    from bench_core import summary
-
     failed = next((row for row in rows if "error" in row), None)
     if failed is not None or len(rows) == 1:
         return failed or rows[0]
