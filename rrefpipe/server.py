@@ -5,8 +5,9 @@ tensor that an earlier stage stashed for it (``receive_skip``, sent straight fro
 body waits on another worker: each buffers what it brought and, if no other body is running this stage,
 *drains* the buffer strictly in micro-batch order, running every job whose inputs are complete and
 pushing its output (and its outgoing skips) from the body. The dist-autograd context is current only
-inside an RPC body, so pushing from the body is what keeps every hop in the backward graph. Failures
-travel back as values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
+inside an RPC body, so pushing from the body is what keeps every hop in the backward graph. The last
+stage sends the driver every output of a step in one message, from the body that ran the last one.
+Failures travel back as values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class StageServer:
         self._pending: dict[int, _Job] = {}
         self._draining = False
         self._failure: Failure | None = None
-        self._kept: dict[int, TensorOrTensors] = {}
+        self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (no driver to deliver to)
+        self._outputs: dict[int, tuple[TensorOrTensors, Tensor | None]] = {}  # (value, phony) until all are in
 
     # -- arrivals ----------------------------------------------------------------------------------
     def receive(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
@@ -159,7 +161,7 @@ class StageServer:
             if meta.step > self._step:  # a new step: whatever is left of older ones is abandoned
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
-                self._kept = {}
+                self._kept, self._outputs = {}, {}
             jobs = []
             for i, update in updates.items():
                 job = self._pending.setdefault(i, _Job(i))
@@ -201,10 +203,14 @@ class StageServer:
             job.future.set_result(failure)
             return
         sends = self._send_skips(job, out)
-        if self.is_last and job.meta.deliver_to is None:
+        if not self.is_last:
+            sends.append(self._push(job, out, job.nones | {k for k, t in out.skips.items() if t is None}))
+        elif job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            sends.append(self._push(job, out, job.nones | {k for k, t in out.skips.items() if t is None}))
+            self._outputs[job.i] = (microbatch.apply(self._outbound, out.value), out.phony)
+            if len(self._outputs) == job.meta.chunks:
+                sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
 
     def _send_skips(self, job: _Job, out: StageOutput) -> list[Future[Status]]:
@@ -221,10 +227,16 @@ class StageServer:
     def _push(self, job: _Job, out: StageOutput, nones: frozenset[SkipKey]) -> Future[Status]:
         assert job.meta is not None
         value = microbatch.apply(self._outbound, out.value)
-        if self.is_last:
-            return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, job.i, value, out.phony))
         stage = self.spec.index + 1
         return self._send(job, stage, receive, (self.pipe_id, stage, job.meta, job.i, value, out.phony, nones))
+
+    def _deliver(self, job: _Job) -> Future[Status]:
+        """Every output of the step to the driver in one message (see ``driver.deliver`` for why)."""
+        assert job.meta is not None
+        outputs, self._outputs = self._outputs, {}
+        values = [outputs[i][0] for i in range(job.meta.chunks)]
+        phonies = [outputs[i][1] for i in range(job.meta.chunks)]
+        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, values, phonies))
 
     def _outbound(self, t: Tensor) -> Tensor:
         return t if self.spec.send_device is None else t.to(self.spec.send_device)
@@ -416,7 +428,7 @@ def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
 
 
-def _driver_deliver(pipe_id: str, step: int, i: int, value: TensorOrTensors, phony: Tensor | None) -> None:
+def _driver_deliver(pipe_id: str, step: int, values: list[TensorOrTensors], phonies: list[Tensor | None]) -> None:
     from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
 
-    deliver(pipe_id, step, i, value, phony)
+    deliver(pipe_id, step, values, phonies)

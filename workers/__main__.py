@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from .network import configure_interface
-from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, parse_device_map
+from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_RPC_THREADS, backend_options, parse_device_map
 from .serve import serve
 
 __all__ = ["main", "parse_args"]
@@ -35,7 +35,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "it); sets TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME. Default: lo when the master is loopback, else "
                    "TP_SOCKET_IFNAME if set, else TensorPipe's guess (with a warning)")
     p.add_argument("--threads", type=int, help="intra-op threads for this worker (torch.set_num_threads)")
-    p.add_argument("--num-worker-threads", type=int, default=16, help="RPC thread pool size")
+    p.add_argument("--num-worker-threads", type=int, default=STAGE_RPC_THREADS,
+                   help=f"RPC thread pool size (default {STAGE_RPC_THREADS}: see workers.options)")
     p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT, help="seconds per RPC")
     p.add_argument("--transport", action="append", help="TensorPipe transport (repeatable; default uv)")
     p.add_argument("--channel", action="append", help="TensorPipe channel (repeatable; default: TensorPipe's choice)")

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch.distributed.rpc as rpc
 
 from .network import configure_interface
-from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, DeviceMap, backend_options
+from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS, STAGE_RPC_THREADS, DeviceMap,
+                      backend_options)
 from .serve import serve, stop_workers
 
 __all__ = ["GroupEnv", "torchrun_group", "stage_devices"]
@@ -121,7 +122,7 @@ def torchrun_group(
     device_maps: Mapping[str, DeviceMap] | None = None,
     transports: Sequence[str] | None = LOCAL_TRANSPORTS,
     channels: Sequence[str] | None = None,
-    num_worker_threads: int = 16,
+    num_worker_threads: int | None = None,
     threads: int | None = None,
 ) -> Iterator[list[str]]:
     """Join the job's RPC group. On rank 0 yield the stage workers' names; on other ranks serve and exit.
@@ -134,7 +135,8 @@ def torchrun_group(
         devices, device_maps: CUDA stages across hosts, see :func:`stage_devices`.
         transports, channels: TensorPipe's (default: TCP only; ``channels=["basic"]`` sends tensors
             through the transport too).
-        num_worker_threads: RPC threads per process. threads: intra-op threads of a stage worker.
+        num_worker_threads: RPC threads per process (default: ``DRIVER_RPC_THREADS`` on the driver,
+            ``STAGE_RPC_THREADS`` on stage workers). threads: intra-op threads of a stage worker.
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
@@ -142,6 +144,8 @@ def torchrun_group(
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = group.master_addr, str(group.master_port)
     configure_interface(interface, group.master_addr, who=f"rank {group.rank} ({group.name})")
     own_devices, maps = stage_devices(group, devices, device_maps)
+    if num_worker_threads is None:
+        num_worker_threads = DRIVER_RPC_THREADS if group.rank == 0 else STAGE_RPC_THREADS
     options = backend_options(num_worker_threads=num_worker_threads, transports=transports, channels=channels,
                               devices=own_devices, device_maps=maps, rpc_timeout=max(rpc_timeout, startup_timeout))
     if group.rank != 0:

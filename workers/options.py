@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["DEFAULT_RPC_TIMEOUT", "LOCAL_TRANSPORTS", "backend_options", "parse_device_map"]
+__all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_RPC_THREADS", "backend_options",
+           "parse_device_map"]
 
 #: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
 DEFAULT_RPC_TIMEOUT = 120.0
@@ -15,12 +16,23 @@ DEFAULT_RPC_TIMEOUT = 120.0
 #: idle process (RPC_FACTS), which on a small machine steals the stages' compute; "uv" (TCP) idles at 0%.
 LOCAL_TRANSPORTS: tuple[str, ...] = ("uv",)
 
+#: RPC threads of a stage worker. One thread runs every RPC body and creates every autograd node of the
+#: stage's forward, so the nodes' sequence numbers (kept per thread) follow the micro-batches: the last
+#: stage's backward, one autograd task for the whole step (see ``rrefpipe.driver.deliver``), then runs
+#: micro-batch m-1 first and sends each input gradient as soon as it is ready. With 16 threads the
+#: order was arbitrary (8 x Linear(2048), m=8: 513-523 -> 630 ms). One thread also saves hand-offs
+#: (tiny 2-stage model, m=32, per-mb outputs: 51-53 -> 44 ms). No stage body waits on an RPC, so one
+#: thread cannot deadlock; a worker answers (and its pings complete) between micro-batches.
+STAGE_RPC_THREADS = 1
+#: RPC threads of the driver, which also runs the user's code.
+DRIVER_RPC_THREADS = 16
+
 DeviceMap = Mapping[str, Mapping[str, str]]
 
 
 def backend_options(
     *,
-    num_worker_threads: int = 16,
+    num_worker_threads: int = DRIVER_RPC_THREADS,
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
     init_method: str | None = None,
     device_maps: DeviceMap | None = None,

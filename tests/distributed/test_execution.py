@@ -50,6 +50,21 @@ def test_64_microbatches_through_3_stages_with_default_thread_pool(cluster):
     assert sum(e.kind == "backward" for e in events) == 3 * 64
 
 
+def test_last_stage_runs_backward_from_the_last_microbatch_one_at_a_time(cluster):
+    # The last stage gets every gradient of a step in one message and runs them as one autograd task,
+    # in the order of the nodes' sequence numbers; its single RPC thread makes that micro-batch order,
+    # so each input gradient leaves for the previous stage before the next micro-batch starts.
+    model = mlp([4, 8, 8, 4], seed=3)
+    x = torch.randn(24, 4)
+    with Pipe(model, chunks=6, balance=[2, 3], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+        events = pipe.execution_record()
+    last = sorted((e for e in events if e.stage == 1 and e.kind == "backward"), key=lambda e: e.start)
+    assert [e.microbatch for e in last] == [5, 4, 3, 2, 1, 0]
+    assert all(a.end <= b.start for a, b in zip(last, last[1:])), [(e.microbatch, e.start, e.end) for e in last]
+
+
 @pytest.mark.parametrize("checkpoint, recomputed", [("always", 4), ("except_last", 3), ("never", 0)])
 def test_checkpointing_recomputes_the_right_microbatches(cluster, checkpoint, recomputed):
     model = mlp([4, 8, 4], seed=2)
