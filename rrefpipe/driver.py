@@ -1,8 +1,8 @@
 """The driver side of the RPC protocol: feeds a mini-batch to stage 0 and collects the outputs.
 
 Per forward pass the driver sends one message, the whole mini-batch, to the first stage, which splits it;
-activations then flow worker to worker (see :mod:`rrefpipe.server`). The last stage pushes outputs
-back here (``deliver``), or keeps them when the pipe's output should stay on the last worker.
+activations then flow worker to worker (see :mod:`rrefpipe.server`). The last stage pushes all outputs
+back here in one message (``deliver``), or keeps them when the pipe's output should stay on the last worker.
 """
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ class RemoteDriver:
         when outputs stay on the last worker).
 
         Outputs usually arrive before that report, which travels back stage by stage once the last
-        stage's deliveries are acknowledged: not waiting for it saves one reply per stage per step.
+        stage's delivery is acknowledged: not waiting for it saves one reply per stage per step.
         Once every output is here nothing of the step can fail any more (skips and activations have
         all arrived where they were going)."""
         first = self.workers[0]
