@@ -80,6 +80,54 @@ def test_workers_exit_when_the_driver_is_killed():
         driver.kill()
 
 
+def test_worker_stuck_in_a_stage_leaves_when_the_driver_is_killed(tmp_path):
+    """Workers started as torchrun starts them (no stdin pipe): one is stuck forever in a layer's forward,
+    holding its only RPC thread, so its pings to the driver can neither succeed nor fail. It must still
+    notice the driver's death (through the rendezvous store) and exit."""
+    port = free_port()
+    stuck = tmp_path / "stuck"
+    env = dict(os.environ, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0")
+    script = f"""
+        import threading, torch, torch.distributed.rpc as rpc
+        from torch import nn
+        from rrefpipe import Pipe
+        from workers import backend_options
+
+        class StuckOnOddBatches(nn.Module):
+            def forward(self, x):
+                if x.shape[0] % 2:
+                    open({str(stuck)!r}, "w").close()
+                    threading.Event().wait()   # never returns
+                return x
+
+        rpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=backend_options())
+        pipe = Pipe(nn.Sequential(nn.Linear(2, 2), StuckOnOddBatches()), balance=[1, 1]).eval()
+        torch.testing.assert_close(pipe(torch.randn(4, 2)).local_value().shape, torch.Size([4, 2]))
+        threading.Thread(target=pipe, args=(torch.randn(3, 2),), daemon=True).start()
+        threading.Event().wait()   # hold until killed
+    """
+    import textwrap
+
+    workers = [subprocess.Popen([sys.executable, "-m", "workers"], cwd=ROOT, env=dict(env, RANK=str(rank)),
+                                stderr=subprocess.DEVNULL) for rank in (1, 2)]
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not stuck.exists():  # the second worker's RPC thread is now stuck for good
+            assert driver.poll() is None, "the driver script failed"
+            assert time.monotonic() < deadline, "the stage never got stuck"
+            time.sleep(0.05)
+        assert all(w.poll() is None for w in workers)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        took = _wait_gone([w.pid for w in workers], within=20)
+        print(f"workers gone {took:.2f}s after the driver was killed")
+    finally:
+        for proc in (driver, *workers):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def test_dead_worker_is_named_quickly_and_close_returns():
     out = run_script("""
         import os, signal, time, torch, torch.distributed.autograd as dist_autograd

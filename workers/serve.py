@@ -1,8 +1,15 @@
 """The stage-worker runtime: join the RPC group, serve stages, leave when told or when the driver is gone.
 
 TensorPipe's graceful shutdown hangs forever once a peer is dead (RPC_FACTS), so a worker never uses
-it. It waits for a ``stop`` RPC, for its driver to stop answering pings, or (for local workers) for
-its stdin pipe from the driver to close, then shuts down non-gracefully.
+it. It waits for a ``stop`` RPC, for its driver to stop answering pings, for the rendezvous store to
+stop answering, or (for local workers) for its stdin pipe from the driver to close, then shuts down
+non-gracefully.
+
+Why the store as well as the ping: an RPC completes, even with an error, only on the worker's RPC
+thread, and a stage worker has one (``workers.options.STAGE_RPC_THREADS``). A stage body that never
+returns (a user layer that deadlocks) holds it, so the ping neither answers nor fails; measured: such a
+worker was still running 40 s after its driver was SIGKILLed. The store (hosted by the driver, or by torchrun's
+agent) is checked over its own connection from its own thread.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed.rpc as rpc
@@ -39,6 +47,33 @@ def _watch_stdin() -> None:
     _stop.set()  # EOF: the driver process is gone
 
 
+def _watch_store(name: str, interval: float) -> None:
+    """Exit the process once the rendezvous store at MASTER_ADDR:MASTER_PORT misses two checks in a row.
+
+    Exits directly (``os._exit``): the main thread may be stuck in a ping, or in ``rpc.shutdown`` waiting
+    for the RPC thread that a hung stage body holds."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return  # no TCP store to watch: the ping alone decides
+    timeout = timedelta(seconds=max(2 * interval, 5.0))
+    try:
+        store = torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    except Exception as exc:
+        log.warning("worker %s: cannot watch the rendezvous store %s:%s (%s); relying on pings", name, addr, port, exc)
+        return
+    misses = 0
+    while not _stop.wait(interval):
+        try:
+            store.check(["rrefpipe/liveness"])
+            misses = 0
+        except Exception as exc:
+            misses += 1
+            if misses >= 2 and not _stop.is_set():
+                log.warning("worker %s: the rendezvous store %s:%s is gone (%s); leaving", name, addr, port,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                os._exit(0)
+
+
 def serve(
     *,
     name: str,
@@ -65,6 +100,7 @@ def serve(
         rpc._set_rpc_timeout(rpc_timeout)
     if watch_stdin:
         threading.Thread(target=_watch_stdin, name="rrefpipe-stdin-watch", daemon=True).start()
+    threading.Thread(target=_watch_store, args=(name, ping_interval), name="rrefpipe-store-watch", daemon=True).start()
     misses = 0
     while not _stop.wait(ping_interval):
         try:
