@@ -134,6 +134,7 @@ def machine_info(driver_threads: int, worker_threads: int | None) -> dict[str, A
         "cpu_count": os.cpu_count(), "cpus_usable": usable, "driver_threads": driver_threads,
         "driver_interop_threads": torch.get_num_interop_threads(), "worker_threads": worker_threads,
         "worker_rpc_threads": workers.options.STAGE_RPC_THREADS,
+        "worker_interop_threads": workers.options.STAGE_INTEROP_THREADS,
         "transports": list(getattr(workers.options, "LOCAL_TRANSPORTS", [])) or None,
         "rrefpipe": f"{getattr(rrefpipe, '__version__', '?')} from {Path(rrefpipe.__file__).parent}",
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -10,7 +10,8 @@ import os
 from collections.abc import Sequence
 
 from .network import configure_interface
-from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_RPC_THREADS, backend_options, parse_device_map
+from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS, STAGE_RPC_THREADS, backend_options,
+                      parse_device_map)
 from .serve import serve
 
 __all__ = ["main", "parse_args"]
@@ -35,6 +36,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "it); sets TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME. Default: lo when the master is loopback, else "
                    "TP_SOCKET_IFNAME if set, else TensorPipe's guess (with a warning)")
     p.add_argument("--threads", type=int, help="intra-op threads for this worker (torch.set_num_threads)")
+    p.add_argument("--interop-threads", type=int, default=STAGE_INTEROP_THREADS,
+                   help=f"inter-op threads, where backward runs (default {STAGE_INTEROP_THREADS}: see workers.options)")
     p.add_argument("--num-worker-threads", type=int, default=STAGE_RPC_THREADS,
                    help=f"RPC thread pool size (default {STAGE_RPC_THREADS}: see workers.options)")
     p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT, help="seconds per RPC")
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         channels=args.channel, devices=args.device, device_maps=parse_device_map(args.device_map),
     )
     serve(name=args.name or f"worker{args.rank}", rank=args.rank, world_size=args.world_size, options=options,
-          driver=args.driver, watch_stdin=args.watch_stdin, threads=args.threads)
+          driver=args.driver, watch_stdin=args.watch_stdin, threads=args.threads, interop_threads=args.interop_threads)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch.distributed.rpc as rpc
 
 from .network import configure_interface
-from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS, STAGE_RPC_THREADS, DeviceMap,
-                      backend_options)
+from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS,
+                      STAGE_RPC_THREADS, DeviceMap, backend_options)
 from .serve import serve, stop_workers
 
 __all__ = ["GroupEnv", "torchrun_group", "stage_devices"]
@@ -124,6 +124,7 @@ def torchrun_group(
     channels: Sequence[str] | None = None,
     num_worker_threads: int | None = None,
     threads: int | None = None,
+    interop_threads: int | None = STAGE_INTEROP_THREADS,
 ) -> Iterator[list[str]]:
     """Join the job's RPC group. On rank 0 yield the stage workers' names; on other ranks serve and exit.
 
@@ -136,7 +137,8 @@ def torchrun_group(
         transports, channels: TensorPipe's (default: TCP only; ``channels=["basic"]`` sends tensors
             through the transport too).
         num_worker_threads: RPC threads per process (default: ``DRIVER_RPC_THREADS`` on the driver,
-            ``STAGE_RPC_THREADS`` on stage workers). threads: intra-op threads of a stage worker.
+            ``STAGE_RPC_THREADS`` on stage workers). threads, interop_threads: intra-op and inter-op
+            threads of a stage worker (``interop_threads=None`` keeps PyTorch's default).
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
@@ -150,7 +152,7 @@ def torchrun_group(
                               devices=own_devices, device_maps=maps, rpc_timeout=max(rpc_timeout, startup_timeout))
     if group.rank != 0:
         serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=DRIVER,
-              threads=threads, rpc_timeout=rpc_timeout)
+              threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout)
         raise SystemExit(0)  # not reached: serve leaves the process
     rpc.init_rpc(DRIVER, rank=0, world_size=group.world_size, rpc_backend_options=options)
     rpc._set_rpc_timeout(rpc_timeout)

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_RPC_THREADS", "backend_options",
-           "parse_device_map"]
+__all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_INTEROP_THREADS",
+           "STAGE_RPC_THREADS", "backend_options", "parse_device_map"]
 
 #: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
 DEFAULT_RPC_TIMEOUT = 120.0
@@ -24,6 +24,14 @@ LOCAL_TRANSPORTS: tuple[str, ...] = ("uv",)
 #: (tiny 2-stage model, m=32, per-mb outputs: 51-53 -> 44 ms). No stage body waits on an RPC, so one
 #: thread cannot deadlock; a worker answers (and its pings complete) between micro-batches.
 STAGE_RPC_THREADS = 1
+#: Inter-op threads of a stage worker (``torch.set_num_interop_threads``, before any parallel work).
+#: Distributed autograd runs the backward of each gradient message as a task on the inter-op pool; with
+#: the default (one per core) the first stage ran two micro-batches' backward at once whenever gradients
+#: arrived faster than it finished them, taking a core from the bottleneck stage. With one, its backward
+#: runs micro-batch after micro-batch, as in GPipe (ResNet-style, 2 stages, m=16, pairs against
+#: pipelining's GPipe: 213-218 -> 195-199 ms per step, 0.92-0.95 -> 1.02-1.06 of GPipe; Transformer
+#: m=32: 410-424 -> 398-402 ms; MLP, ResNet m=4 and 3 stages unchanged).
+STAGE_INTEROP_THREADS = 1
 #: RPC threads of the driver, which also runs the user's code.
 DRIVER_RPC_THREADS = 16
 

@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed.rpc as rpc
 
+from .options import STAGE_INTEROP_THREADS
+
 __all__ = ["serve", "request_stop", "alive", "stop_workers"]
 
 log = logging.getLogger("rrefpipe.workers")
@@ -84,14 +86,21 @@ def serve(
     ping_interval: float = 2.0,
     watch_stdin: bool = False,
     threads: int | None = None,
+    interop_threads: int | None = STAGE_INTEROP_THREADS,
     rpc_timeout: float | None = None,
 ) -> None:
     """Serve stages as RPC worker ``name`` until stopped or orphaned.
 
     ``options.rpc_timeout`` applies while joining the group; ``rpc_timeout``, if given, from then on.
+    ``interop_threads``: see ``workers.options.STAGE_INTEROP_THREADS`` (None keeps PyTorch's default).
     """
     if threads:
         torch.set_num_threads(threads)
+    if interop_threads:
+        try:
+            torch.set_num_interop_threads(interop_threads)
+        except RuntimeError as exc:  # parallel work already ran in this process (serve called late)
+            log.warning("worker %s: keeping %d inter-op threads (%s)", name, torch.get_num_interop_threads(), exc)
     from rrefpipe.checkpoint import warm_up
 
     warm_up()

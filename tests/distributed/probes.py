@@ -55,3 +55,8 @@ def environment(keys: list[str]) -> dict[str, str | None]:
     import os
 
     return {key: os.environ.get(key) for key in keys}
+
+
+def interop_threads() -> int:
+    """This worker's inter-op threads (where distributed autograd runs backward tasks)."""
+    return torch.get_num_interop_threads()

@@ -65,6 +65,25 @@ def test_last_stage_runs_backward_from_the_last_microbatch_one_at_a_time(cluster
     assert all(a.end <= b.start for a, b in zip(last, last[1:])), [(e.microbatch, e.start, e.end) for e in last]
 
 
+def test_first_stage_runs_one_microbatch_backward_at_a_time(cluster):
+    # Each gradient message starts a backward task on the worker's inter-op pool; with one inter-op
+    # thread (workers.options.STAGE_INTEROP_THREADS) they run one after another, as in GPipe, instead
+    # of two at once taking a core from the other stages. Stage 0 is made the slow one in backward,
+    # so gradients queue up there.
+    model = nn.Sequential(*mlp([64, 512, 512, 512, 64], seed=4), nn.Linear(64, 4))
+    x = torch.randn(96, 64)
+    with Pipe(model, chunks=6, checkpoint="never", balance=[7, 1], workers=cluster.names[:2]) as pipe:
+        for _ in range(2):
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+        events = pipe.execution_record()
+    for step in {e.step for e in events}:
+        first = sorted((e for e in events if e.stage == 0 and e.kind == "backward" and e.step == step),
+                       key=lambda e: e.start)
+        assert len(first) == 6
+        assert all(a.end <= b.start for a, b in zip(first, first[1:])), [(e.microbatch, e.start, e.end) for e in first]
+
+
 @pytest.mark.parametrize("checkpoint, recomputed", [("always", 4), ("except_last", 3), ("never", 0)])
 def test_checkpointing_recomputes_the_right_microbatches(cluster, checkpoint, recomputed):
     model = mlp([4, 8, 4], seed=2)

@@ -8,6 +8,7 @@ from torch.distributed.optim import DistributedOptimizer
 from rrefpipe import Pipe
 from tests.distributed.probes import all_counts
 from tests.layers import mlp
+from workers.options import STAGE_INTEROP_THREADS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,7 +46,7 @@ def test_local_workers_environment_defaults(cluster):
     # The malloc settings keep activations from page-faulting in afresh on every micro-batch.
     import torch.distributed.rpc as rpc
 
-    from tests.distributed.probes import environment
+    from tests.distributed.probes import environment, interop_threads
 
     import os
 
@@ -54,3 +55,4 @@ def test_local_workers_environment_defaults(cluster):
     expected = {key: os.environ.get(key, value) for key, value in defaults.items()}  # the user's setting wins
     for name in cluster.names:
         assert rpc.rpc_sync(name, environment, args=(list(expected),)) == expected
+        assert rpc.rpc_sync(name, interop_threads) == STAGE_INTEROP_THREADS  # where backward runs
