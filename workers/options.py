@@ -30,7 +30,8 @@ STAGE_RPC_THREADS = 1
 #: arrived faster than it finished them, taking a core from the bottleneck stage. With one, its backward
 #: runs micro-batch after micro-batch, as in GPipe (ResNet-style, 2 stages, m=16, pairs against
 #: pipelining's GPipe: 213-218 -> 195-199 ms per step, 0.92-0.95 -> 1.02-1.06 of GPipe; Transformer
-#: m=32: 410-424 -> 398-402 ms; MLP, ResNet m=4 and 3 stages unchanged).
+#: m=32: 410-424 -> 398-402 ms; MLP, ResNet m=4 and 3 stages unchanged; in the benchmark suite, where
+#: the overlap had cost less, no change beyond noise).
 STAGE_INTEROP_THREADS = 1
 #: RPC threads of the driver, which also runs the user's code.
 DRIVER_RPC_THREADS = 16

@@ -7,9 +7,9 @@ non-gracefully.
 
 Why the store as well as the ping: an RPC completes, even with an error, only on the worker's RPC
 thread, and a stage worker has one (``workers.options.STAGE_RPC_THREADS``). A stage body that never
-returns (a user layer that deadlocks) holds it, so the ping neither answers nor fails; measured: such a
-worker was still running 40 s after its driver was SIGKILLed. The store (hosted by the driver, or by torchrun's
-agent) is checked over its own connection from its own thread.
+returns (a user layer that deadlocks) holds it, so the ping neither answers nor fails; measured: such
+a worker was still running 40 s after its driver was SIGKILLed. The store (hosted by the driver, or by
+torchrun's agent) is checked over its own connection from its own thread.
 """
 from __future__ import annotations
 
