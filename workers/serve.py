@@ -49,6 +49,12 @@ def _watch_stdin() -> None:
     _stop.set()  # EOF: the driver process is gone
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line: c10d store errors carry a C++ stack trace after it."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _watch_store(name: str, interval: float) -> None:
     """Exit the process once the rendezvous store at MASTER_ADDR:MASTER_PORT misses two checks in a row.
 
@@ -61,7 +67,8 @@ def _watch_store(name: str, interval: float) -> None:
     try:
         store = torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     except Exception as exc:
-        log.warning("worker %s: cannot watch the rendezvous store %s:%s (%s); relying on pings", name, addr, port, exc)
+        log.warning("worker %s: cannot watch the rendezvous store %s:%s (%s); relying on pings", name, addr, port,
+                    _first_line(exc))
         return
     misses = 0
     while not _stop.wait(interval):
@@ -72,7 +79,7 @@ def _watch_store(name: str, interval: float) -> None:
             misses += 1
             if misses >= 2 and not _stop.is_set():
                 log.warning("worker %s: the rendezvous store %s:%s is gone (%s); leaving", name, addr, port,
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                            _first_line(exc))
                 os._exit(0)
 
 
