@@ -1,6 +1,7 @@
 import torch
+from torch import nn
 
-from rrefpipe.dependency import fork, hop, join, mark, new_phony
+from rrefpipe.dependency import after_parameter_grads, fork, hop, join, mark, new_phony
 
 
 def test_fork_join_are_identities_that_pass_gradients():
@@ -71,3 +72,45 @@ def test_hop_makes_a_gradient_free_output_depend_on_its_phonies():
     assert y.requires_grad
     y.sum().backward()
     assert p.grad is not None
+
+
+class _Branchy(nn.Module):
+    """A residual graph with a parameter-only branch, created before anything on the input's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale * 3  # created before anything on the input's path
+        h = torch.relu(self.a(x))
+        return (self.b(h) + h) * scale
+
+
+def _nodes(out: torch.Tensor) -> list:
+    stack, seen = [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.append(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return seen
+
+
+def test_after_parameter_grads_calls_back_after_every_node_ran():
+    """The stage input needs no gradient; the callback comes once, after every node of the graph ran."""
+    module, log = _Branchy(), []
+    out = module(torch.randn(3, 4))
+    nodes = _nodes(out)
+    for k, node in enumerate(nodes):  # registered first, so on a shared node they run before the callback
+        node.register_hook(lambda *_, k=k: log.append(k))
+    assert after_parameter_grads(out, lambda: log.append("end"))
+    out.sum().backward()
+    assert sorted(log[:-1]) == list(range(len(nodes))) and log[-1] == "end"
+
+
+def test_after_parameter_grads_without_parameters_says_so():
+    """A stage with no parameters and an input that needs no gradient has no graph: the caller marks it."""
+    assert not after_parameter_grads(nn.ReLU()(torch.randn(2)), lambda: None)
