@@ -70,13 +70,20 @@ def _cpu(cpu: dict[str, list[float]] | None) -> str:
                                                                            cpu["minor_faults"]))
 
 
+def cpu_total_ms(cpu: dict[str, list[float]] | None) -> float | None:
+    """CPU time of a step summed over every process of a contestant (user + kernel)."""
+    return None if not cpu else sum(cpu["user_ms"]) + sum(cpu["sys_ms"])
+
+
 def print_cpu(sec: dict[str, Any]) -> None:
     print("  CPU per timed step, user ms / kernel ms / minor page faults, per process "
-          "(rrefpipe 'never': driver, then stage workers; GPipe: ranks):")
+          "(rrefpipe 'never': driver, then stage workers; GPipe: ranks); GP/rr: GPipe's CPU over rrefpipe's, "
+          "all processes (on the 2-core machine it follows the rr/GP throughput ratio):")
     for r in sec["rows"]:
         c = r["contestants"]
-        print(f"  {r['chunks']:>3}  rrefpipe {_cpu((c.get('never') or {}).get('cpu')):<44} "
-              f"GPipe {_cpu((c.get('gpipe') or {}).get('cpu'))}")
+        rr, gp = ((c.get(k) or {}).get("cpu") for k in ("never", "gpipe"))
+        ratio = cpu_total_ms(gp) / cpu_total_ms(rr) if rr and gp and cpu_total_ms(rr) else None  # type: ignore[operator]
+        print(f"  {r['chunks']:>3}  rrefpipe {_cpu(rr):<44} GPipe {_cpu(gp):<30} GP/rr {_f(ratio, '.2f')}")
 
 
 def print_memory(result: dict[str, Any]) -> None:
