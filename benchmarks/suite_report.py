@@ -82,7 +82,8 @@ def print_cpu(sec: dict[str, Any]) -> None:
     for r in sec["rows"]:
         c = r["contestants"]
         rr, gp = ((c.get(k) or {}).get("cpu") for k in ("never", "gpipe"))
-        ratio = cpu_total_ms(gp) / cpu_total_ms(rr) if rr and gp and cpu_total_ms(rr) else None  # type: ignore[operator]
+        rr_ms, gp_ms = cpu_total_ms(rr), cpu_total_ms(gp)
+        ratio = gp_ms / rr_ms if rr_ms and gp_ms is not None else None
         print(f"  {r['chunks']:>3}  rrefpipe {_cpu(rr):<44} GPipe {_cpu(gp):<30} GP/rr {_f(ratio, '.2f')}")
 
 

@@ -83,7 +83,7 @@ class _Branchy(nn.Module):
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale * 3  # created before anything on the input's path
+        scale = self.scale * 3
         h = torch.relu(self.a(x))
         return (self.b(h) + h) * scale
 
