@@ -89,7 +89,7 @@ def ms(seconds: float) -> float:
     return seconds * 1e3
 
 
-def summary(samples: Sequence[float]) -> dict[str, float]:
+def summary(samples: Sequence[float]) -> dict[str, Any]:
     """Median, 10th and 90th percentile (in ms) of timings given in seconds."""
     data = sorted(samples)
     deciles = statistics.quantiles(data, n=10) if len(data) > 1 else [data[0]] * 9
