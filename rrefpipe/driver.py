@@ -73,13 +73,14 @@ class RemoteDriver:
     """Places a pipe's stages on RPC workers and runs forward passes through them."""
 
     def __init__(self, specs: Sequence[StageSpec], workers: Sequence[str], *, chunks: int, checkpoint: str,
-                 remote_output: bool, rpc_timeout: float) -> None:
+                 remote_output: bool, rpc_timeout: float, microbatches_per_message: int = 1) -> None:
         self.pipe_id = f"{_rpc.self_name()}/{next(_pipe_ids)}"
         self.workers = list(workers)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.remote_output = remote_output
         self.rpc_timeout = rpc_timeout
+        self.microbatches_per_message = microbatches_per_message
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._warned_no_context = False
@@ -160,6 +161,7 @@ class RemoteDriver:
                 grad_enabled=grad_enabled,
                 deliver_to=None if self.remote_output else _rpc.self_name(),
                 timeout=self.rpc_timeout,
+                per_message=self.microbatches_per_message,
             )
             collector = _Collector(len(batches))
             _collectors[(self.pipe_id, step)] = collector

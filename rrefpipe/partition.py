@@ -29,9 +29,10 @@ def verify_module(module: object) -> None:
         seen[id(child)] = name
 
 
-def check_chunks(chunks: object) -> int:
+def check_chunks(chunks: object, name: str = "chunks") -> int:
+    """A positive int (``bool`` is not one); ``name`` says which argument in the error."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+        raise ValueError(f"{name} must be a positive int, got {chunks!r}")
     return chunks
 
 

@@ -62,6 +62,10 @@ class Pipe(nn.Module):
         remote_output: keep the output on the last stage's worker; ``forward`` then returns a
             remote RRef (``.to_here()`` fetches it).
         rpc_timeout: seconds each RPC may take before the step fails (a dead worker fails at once).
+        microbatches_per_message: micro-batches a stage sends to the next in one message. More saves
+            each hop a request, a reply and a gradient message per extra micro-batch, and delays the
+            next stage's start by as many micro-batches: worth it with many small micro-batches (see
+            README, Performance). Stages in this process (RPC world of one) send no messages.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -81,11 +85,12 @@ class Pipe(nn.Module):
         devices: Sequence[str | torch.device] | None = None,
         remote_output: bool = False,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        microbatches_per_message: int = 1,
     ) -> None:
         super().__init__()
         verify_module(module)
         verify_skippables(module)
-        self._configure(chunks, checkpoint, remote_output, rpc_timeout)
+        self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         if deferred_batch_norm:
             module = _deferred(module, self.chunks)
         if isinstance(balance, str):  # 'time' | 'size': profile now, one stage per device (or worker)
@@ -125,6 +130,7 @@ class Pipe(nn.Module):
         devices: Sequence[str | torch.device] | None = None,
         remote_output: bool = False,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        microbatches_per_message: int = 1,
     ) -> Pipe:
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
@@ -136,18 +142,20 @@ class Pipe(nn.Module):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
-        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout)
+        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         specs = [_spec(j, len(factories), None, f, stage_devices[j]) for j, f in enumerate(factories)]
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe
 
-    def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float) -> None:
+    def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float,
+                   microbatches_per_message: int) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         if rpc_timeout <= 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
+        self.microbatches_per_message = check_chunks(microbatches_per_message, "microbatches_per_message")
         self.remote_output = remote_output
         self.rpc_timeout = float(rpc_timeout)
         self._local_workers: Any = None
@@ -182,7 +190,8 @@ class Pipe(nn.Module):
             spec.next_worker = workers[spec.index + 1] if spec.index + 1 < n else None
         try:
             return RemoteDriver(specs, workers, chunks=self.chunks, checkpoint=self.checkpoint,
-                                remote_output=self.remote_output, rpc_timeout=self.rpc_timeout)
+                                remote_output=self.remote_output, rpc_timeout=self.rpc_timeout,
+                                microbatches_per_message=self.microbatches_per_message)
         except BaseException:
             self._stop_local_workers()
             raise

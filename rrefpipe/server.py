@@ -1,7 +1,9 @@
 """The stage side of the RPC protocol: a registry of stages on this worker and their RPC entry points.
 
-Micro-batch ``i`` of a step reaches stage ``j`` in one message (``receive``), plus one message per skip
-tensor that an earlier stage stashed for it (``receive_skip``, sent straight from that stage). No RPC
+Micro-batch ``i`` of a step reaches stage ``j`` in a message (``receive``) that carries it alone or with
+its neighbours (``Pipe(microbatches_per_message=)``: a stage holds outputs until a message is full or the
+step's last micro-batch ran), plus one message per skip tensor that an earlier stage stashed for it
+(``receive_skip``, sent straight from that stage, never held). No RPC
 body waits on another worker: each buffers what it brought and, if no other body is running this stage,
 *drains* the buffer strictly in micro-batch order, running every job whose inputs are complete and
 pushing its output (and its outgoing skips) from the body. The dist-autograd context is current only
@@ -34,6 +36,7 @@ from .trace import Event
 __all__: list[str] = []
 
 Status = Failure | None  # what a receive future resolves to: None when the micro-batch made it through
+Arrival = tuple[int, TensorOrTensors, Tensor | None, frozenset[SkipKey]]  # (i, value, phony, skips sent as None)
 
 
 @dataclass
@@ -80,6 +83,16 @@ class _Job:
     future: Future[Status] = field(default_factory=Future)
 
 
+@dataclass
+class _Held:
+    """A micro-batch's output waiting for the rest of its message to the next stage."""
+
+    job: _Job
+    out: StageOutput
+    nones: frozenset[SkipKey]
+    skip_sends: list[Future[Status]]
+
+
 def _count(value: Any) -> tuple[int, int]:
     tensors = [value] if isinstance(value, Tensor) else [t for t in value or () if isinstance(t, Tensor)]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
@@ -105,12 +118,19 @@ class StageServer:
         self._failure: Failure | None = None
         self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (no driver to deliver to)
         self._outputs: dict[int, tuple[TensorOrTensors, Tensor | None]] = {}  # (value, phony) until all are in
+        self._held: list[_Held] = []  # outputs waiting to fill a message to the next stage
 
     # -- arrivals ----------------------------------------------------------------------------------
-    def receive(self, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
-                nones: frozenset[SkipKey]) -> Future[Status]:
-        jobs = self._arrive(meta, "activation", value, {i: self._activation(value, phony, nones)})
-        return jobs[0].future if jobs else self._stale(i)
+    def receive(self, meta: StepMeta, group: list[Arrival]) -> Future[Status]:
+        """Consecutive micro-batches from the previous stage, ``meta.per_message`` (or fewer) per message."""
+        tensors = [t for _, value, _, _ in group for t in microbatch.as_tensors(value)]
+        jobs = self._arrive(meta, "activation", tensors,
+                            {i: self._activation(value, phony, nones) for i, value, phony, nones in group})
+        if len(jobs) == 1:
+            return jobs[0].future
+        done: Future[Status] = Future()
+        _when_all([job.future for job in jobs] if jobs else [self._stale(group[0][0])], _first_failure, done)
+        return done
 
     def receive_batch(self, meta: StepMeta, value: TensorOrTensors, phony: Tensor | None) -> Future[list[Failure]]:
         """The first stage's input for a whole step in one message: split here into micro-batches,
@@ -161,7 +181,7 @@ class StageServer:
             if meta.step > self._step:  # a new step: whatever is left of older ones is abandoned
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
-                self._kept, self._outputs = {}, {}
+                self._kept, self._outputs, self._held = {}, {}, []
             jobs = []
             for i, update in updates.items():
                 job = self._pending.setdefault(i, _Job(i))
@@ -200,12 +220,17 @@ class StageServer:
                                       phase="forward")
             with self._lock:
                 self._failure = failure
+            self._push()  # the micro-batches before it go on, as they would have one by one
             job.future.set_result(failure)
             return
         sends = self._send_skips(job, out)
         if not self.is_last:
-            sends.append(self._push(job, out, job.nones | {k for k, t in out.skips.items() if t is None}))
-        elif job.meta.deliver_to is None:
+            nones = job.nones | {k for k, t in out.skips.items() if t is None}
+            self._held.append(_Held(job, out, nones, sends))
+            if len(self._held) >= job.meta.per_message or job.i == job.meta.chunks - 1:
+                self._push()
+            return  # the job completes when its message (and its skips) went through
+        if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
             self._outputs[job.i] = (microbatch.apply(self._outbound, out.value), out.phony)
@@ -224,11 +249,19 @@ class StageServer:
             sends.append(self._send(job, stage, receive_skip, args))
         return sends
 
-    def _push(self, job: _Job, out: StageOutput, nones: frozenset[SkipKey]) -> Future[Status]:
-        assert job.meta is not None
-        value = microbatch.apply(self._outbound, out.value)
+    def _push(self) -> None:
+        """Send the held outputs to the next stage in one message; each of their jobs completes once
+        the message and the job's own skips went through."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        last = held[-1].job
+        assert last.meta is not None
         stage = self.spec.index + 1
-        return self._send(job, stage, receive, (self.pipe_id, stage, job.meta, job.i, value, out.phony, nones))
+        group = [(h.job.i, microbatch.apply(self._outbound, h.out.value), h.out.phony, h.nones) for h in held]
+        sent = self._send(last, stage, receive, (self.pipe_id, stage, last.meta, group))
+        for h in held:
+            _when_all(h.skip_sends + [sent], _first_failure, h.job.future)
 
     def _deliver(self, job: _Job) -> Future[Status]:
         """Every output of the step to the driver in one message (see ``driver.deliver`` for why)."""
@@ -358,16 +391,15 @@ def destroy_stage(pipe_id: str, index: int) -> None:
 
 
 @rpc.functions.async_execution
-def receive(pipe_id: str, index: int, meta: StepMeta, i: int, value: TensorOrTensors, phony: Tensor | None,
-            nones: frozenset[SkipKey] = frozenset()) -> Future[Status]:
+def receive(pipe_id: str, index: int, meta: StepMeta, group: list[Arrival]) -> Future[Status]:
     try:
         server = _server(pipe_id, index)
     except LookupError as exc:
         future: Future[Status] = Future()
-        future.set_result(Failure.capture(exc, stage=index, worker=rpc.get_worker_info().name, microbatch=i,
-                                          phase="forward"))
+        future.set_result(Failure.capture(exc, stage=index, worker=rpc.get_worker_info().name,
+                                          microbatch=group[0][0], phase="forward"))
         return future
-    return server.receive(meta, i, value, phony, nones)
+    return server.receive(meta, group)
 
 
 @rpc.functions.async_execution

@@ -37,6 +37,7 @@ class StepMeta:
     grad_enabled: bool
     deliver_to: str | None  # the driver's worker name, or None to keep the output on the last stage
     timeout: float
+    per_message: int = 1  # micro-batches per message from a stage to the next
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,12 @@ from tests.layers import SENTINEL, Boom, ToDict
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster):
+@pytest.mark.parametrize("per_message", [1, 3])
+def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_message):
+    """With 3 micro-batches per message, 0 and 1 wait for 2 when it fails: they still go on."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), Boom(), nn.Linear(4, 2))
-    with Pipe(model, chunks=4, balance=[1, 2, 1], workers=cluster.names[:3]) as pipe:
+    with Pipe(model, chunks=4, balance=[1, 2, 1], workers=cluster.names[:3],
+              microbatches_per_message=per_message) as pipe:
         x = torch.zeros(8, 4)
         bad = x.clone()
         bad[4:6] = SENTINEL  # micro-batch 2; an identity first layer passes the sentinel on to Boom

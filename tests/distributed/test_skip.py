@@ -29,6 +29,15 @@ def test_skippable_model_is_transparent(cluster, stages, checkpoint):
         check_transparent(pipe, model, x)
 
 
+def test_skips_with_several_microbatches_per_message(cluster):
+    """Skips travel on their own, each micro-batch's as soon as it is stashed; activations in pairs."""
+    model = residual_model(blocks=2)
+    x = torch.randn(10, 8, requires_grad=True)
+    with Pipe(model, chunks=5, checkpoint="except_last", balance=[3, 4, 3], workers=cluster.names[:3],
+              microbatches_per_message=2) as pipe:
+        check_transparent(pipe, model, x)
+
+
 def test_every_cut_of_a_skippable_model(cluster):
     """Wherever the cuts fall (between a stash and its pop, or not), the result is the plain model's."""
     model = skip_model()

@@ -70,3 +70,26 @@ def test_tuple_input_and_output(cluster):
     assert isinstance(out, tuple) and len(out) == 2
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("per_message", [2, 3])
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_several_microbatches_per_message_match_plain_model(cluster, per_message, checkpoint):
+    """5 micro-batches in messages of 2 (2+2+1) or 3 (3+2) between each pair of stages."""
+    model = mlp([5, 8, 8, 6, 3])
+    x = torch.randn(10, 5, requires_grad=True)
+    with Pipe(model, chunks=5, checkpoint=checkpoint, balance=BALANCES[3], workers=cluster.names[:3],
+              microbatches_per_message=per_message) as pipe:
+        check_transparent(pipe, model, x)
+        check_transparent(pipe, model, x)  # a second step reuses the stages' message state
+
+
+def test_next_stage_starts_when_a_message_is_full(cluster):
+    """With 2 micro-batches per message, stage 1 starts micro-batch 0 only after stage 0 ran 1."""
+    model = mlp([5, 8, 8, 6, 3])
+    with Pipe(model, chunks=4, balance=[3, 4], workers=cluster.names[:2], microbatches_per_message=2) as pipe:
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [pipe(torch.randn(8, 5)).local_value().sum()])
+        forward = {(e.stage, e.microbatch): e for e in pipe.execution_record() if e.kind == "forward"}
+    assert forward[(1, 0)].start >= forward[(0, 1)].end
+    assert forward[(1, 2)].start >= forward[(0, 3)].end
