@@ -22,11 +22,11 @@ LR = 1e-3  # small: a few steps must not drive the weights into denormals or NaN
 
 
 def make_pipe(names: Sequence[str], model: nn.Sequential, balance: Sequence[int], chunks: int,
-              checkpoint: str) -> Any:
+              checkpoint: str, microbatches_per_message: int = 1) -> Any:
     from rrefpipe import Pipe
 
     return Pipe(copy.deepcopy(model), chunks=chunks, checkpoint=checkpoint, balance=list(balance),
-                workers=list(names[:len(balance)]))
+                workers=list(names[:len(balance)]), microbatches_per_message=microbatches_per_message)
 
 
 def _step(pipe: Any, opt: Any, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, float]:
@@ -46,13 +46,14 @@ def _step(pipe: Any, opt: Any, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, 
 
 def time_pipe(names: Sequence[str], model: nn.Sequential, balance: Sequence[int], data: tuple[Tensor, Tensor],
               loss_fn: Callable[[Tensor, Tensor], Tensor], chunks: int, checkpoint: str, warmup: int,
-              repeats: int, timeline: str | None = None, pids: Sequence[int] = ()) -> dict[str, Any]:
+              repeats: int, timeline: str | None = None, pids: Sequence[int] = (),
+              microbatches_per_message: int = 1) -> dict[str, Any]:
     """Median step time of one configuration, with the execution-record analysis of its timed steps and,
     for the processes ``pids`` (driver, then the stage workers), their CPU time and page faults per step."""
     from torch.distributed.optim import DistributedOptimizer
 
     x, y = data
-    with make_pipe(names, model, balance, chunks, checkpoint) as pipe:
+    with make_pipe(names, model, balance, chunks, checkpoint, microbatches_per_message) as pipe:
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=LR)
         for _ in range(warmup):
             _step(pipe, opt, x, y, loss_fn)
