@@ -1,15 +1,15 @@
 """The stage side of the RPC protocol: a registry of stages on this worker and their RPC entry points.
 
 Micro-batch ``i`` of a step reaches stage ``j`` in a message (``receive``) that carries it alone or with
-its neighbours (``Pipe(microbatches_per_message=)``: a stage holds outputs until a message is full or the
-step's last micro-batch ran), plus one message per skip tensor that an earlier stage stashed for it
-(``receive_skip``, sent straight from that stage, never held). No RPC
-body waits on another worker: each buffers what it brought and, if no other body is running this stage,
-*drains* the buffer strictly in micro-batch order, running every job whose inputs are complete and
-pushing its output (and its outgoing skips) from the body. The dist-autograd context is current only
-inside an RPC body, so pushing from the body is what keeps every hop in the backward graph. The last
-stage sends the driver every output of a step in one message, from the body that ran the last one.
-Failures travel back as values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
+its neighbours (``Pipe(microbatches_per_message=)``: a stage holds outputs until a message is full or
+the step's last micro-batch ran), plus one message per skip tensor that an earlier stage stashed for it
+(``receive_skip``, sent straight from that stage, never held). No RPC body waits on another worker: each
+buffers what it brought and, if no other body is running this stage, *drains* the buffer strictly in
+micro-batch order, running every job whose inputs are complete and pushing its output (and its outgoing
+skips) from the body. The dist-autograd context is current only inside an RPC body, so pushing from the
+body is what keeps every hop in the backward graph. The last stage sends the driver every output of a
+step in one message, from the body that ran the last one. Failures travel back as values
+(:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
