@@ -73,7 +73,7 @@ class RemoteDriver:
     """Places a pipe's stages on RPC workers and runs forward passes through them."""
 
     def __init__(self, specs: Sequence[StageSpec], workers: Sequence[str], *, chunks: int, checkpoint: str,
-                 remote_output: bool, rpc_timeout: float, microbatches_per_message: int = 1) -> None:
+                 remote_output: bool, rpc_timeout: float, microbatches_per_message: int) -> None:
         self.pipe_id = f"{_rpc.self_name()}/{next(_pipe_ids)}"
         self.workers = list(workers)
         self.chunks = chunks

@@ -29,11 +29,11 @@ def verify_module(module: object) -> None:
         seen[id(child)] = name
 
 
-def check_chunks(chunks: object, name: str = "chunks") -> int:
+def check_chunks(value: object, name: str = "chunks") -> int:
     """A positive int (``bool`` is not one); ``name`` says which argument in the error."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"{name} must be a positive int, got {chunks!r}")
-    return chunks
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def check_checkpoint(checkpoint: object) -> str:
