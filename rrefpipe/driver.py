@@ -20,7 +20,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from . import _rpc, microbatch, server
-from .dependency import join, new_phony
+from .dependency import new_phony
 from .errors import Failure, StageError
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
@@ -33,11 +33,11 @@ __all__: list[str] = []
 
 
 class _Collector:
-    """Outputs of one forward pass, filled in by ``deliver`` on an RPC thread; ``done`` is set when they
-    are in (or, from the driver, when the first stage reports the step finished or failed)."""
+    """The output of one forward pass, filled in by ``deliver`` on an RPC thread; ``done`` is set when it
+    is in (or, from the driver, when the first stage reports the step finished or failed)."""
 
-    def __init__(self, chunks: int) -> None:
-        self.outputs: list[TensorOrTensors | None] = [None] * chunks
+    def __init__(self) -> None:
+        self.output: TensorOrTensors | None = None
         self.done = threading.Event()
 
 
@@ -45,22 +45,21 @@ _collectors: dict[tuple[str, int], _Collector] = {}
 _pipe_ids = itertools.count()
 
 
-def deliver(pipe_id: str, step: int, values: list[TensorOrTensors], phonies: list[Tensor | None]) -> None:
-    """Called (over RPC, by the last stage) with every micro-batch's output of a step, in one message.
+def deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
+    """Called (over RPC, by the last stage) with the step's output, its micro-batches gathered there.
 
     One message per step, not one per micro-batch: each delivery costs both sides a request, a reply
     and, in backward, a gradient message and its reply (4 of the last stage's 8 messages per
     micro-batch). The last stage then runs all micro-batches' backward as one autograd task, in the
     order of the nodes' sequence numbers; those are per thread, and a stage worker has one RPC thread
     (``workers.options.STAGE_RPC_THREADS``), so they follow the micro-batches and each input gradient
-    still leaves as soon as it is computed. Tiny 2-stage model, m=32: 51-53 -> 31 ms per step."""
+    still leaves as soon as it is computed. Tiny 2-stage model, m=32: 51-53 -> 31 ms per step. Gathered
+    on the last stage, the message carries one tensor per output tensor instead of two per micro-batch
+    (value and phony)."""
     collector = _collectors.get((pipe_id, step))
     if collector is None:
         return  # a step the driver already gave up on
-    for i, (value, phony) in enumerate(zip(values, phonies)):
-        if phony is not None and not microbatch.as_tensors(value)[0].requires_grad:
-            value = join(value, phony)  # else the message is reachable through the value (no extra node)
-        collector.outputs[i] = value
+    collector.output = value
     collector.done.set()
 
 
@@ -163,7 +162,7 @@ class RemoteDriver:
                 timeout=self.rpc_timeout,
                 per_message=self.microbatches_per_message,
             )
-            collector = _Collector(len(batches))
+            collector = _Collector()
             _collectors[(self.pipe_id, step)] = collector
             try:
                 self._run(meta, value, collector)
@@ -173,11 +172,9 @@ class RemoteDriver:
             last = len(self.infos) - 1
             return rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
                               timeout=self.rpc_timeout)
-        outputs = collector.outputs
-        missing = [i for i, out in enumerate(outputs) if out is None]
-        if missing:
-            raise RuntimeError(f"pipe {self.pipe_id}: outputs of micro-batches {missing} never arrived")
-        return rpc.RRef(microbatch.gather(outputs))  # type: ignore[arg-type]
+        if collector.output is None:
+            raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
+        return rpc.RRef(collector.output)
 
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""

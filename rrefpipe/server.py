@@ -7,8 +7,8 @@ the step's last micro-batch ran), plus one message per skip tensor that an earli
 buffers what it brought and, if no other body is running this stage, *drains* the buffer strictly in
 micro-batch order, running every job whose inputs are complete and pushing its output (and its outgoing
 skips) from the body. The dist-autograd context is current only inside an RPC body, so pushing from the
-body is what keeps every hop in the backward graph. The last stage sends the driver every output of a
-step in one message, from the body that ran the last one. Failures travel back as values
+body is what keeps every hop in the backward graph. The last stage gathers every output of a step and
+sends it to the driver in one message, from the body that ran the last one. Failures travel back as values
 (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from . import microbatch
+from .dependency import join
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -233,7 +234,7 @@ class StageServer:
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            self._outputs[job.i] = (microbatch.apply(self._outbound, out.value), out.phony)
+            self._outputs[job.i] = (out.value, out.phony)
             if len(self._outputs) == job.meta.chunks:
                 sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
@@ -264,12 +265,25 @@ class StageServer:
             _when_all(h.skip_sends + [sent], _first_failure, h.job.future)
 
     def _deliver(self, job: _Job) -> Future[Status]:
-        """Every output of the step to the driver in one message (see ``driver.deliver`` for why)."""
+        """The step's output, gathered here, to the driver in one message of one tensor per output
+        tensor (see ``driver.deliver`` for why): each tensor of a message costs both sides again, and
+        so does its gradient. A phony goes along only for micro-batches the value does not reach."""
         assert job.meta is not None
         outputs, self._outputs = self._outputs, {}
         values = [outputs[i][0] for i in range(job.meta.chunks)]
-        phonies = [outputs[i][1] for i in range(job.meta.chunks)]
-        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, values, phonies))
+        unreached = [phony for value, phony in outputs.values()
+                     if phony is not None and not microbatch.as_tensors(value)[0].requires_grad]
+        try:
+            gathered = microbatch.gather(values)
+        except Exception as exc:  # outputs that do not concatenate along dim 0
+            done: Future[Status] = Future()
+            done.set_result(Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
+                                            phase="forward (gathering the micro-batches' outputs)"))
+            return done
+        if unreached:
+            gathered = join(gathered, torch.cat(unreached))
+        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step,
+                                                       microbatch.apply(self._outbound, gathered)))
 
     def _outbound(self, t: Tensor) -> Tensor:
         return t if self.spec.send_device is None else t.to(self.spec.send_device)
@@ -460,7 +474,7 @@ def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
 
 
-def _driver_deliver(pipe_id: str, step: int, values: list[TensorOrTensors], phonies: list[Tensor | None]) -> None:
+def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
     from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
 
-    deliver(pipe_id, step, values, phonies)
+    deliver(pipe_id, step, value)

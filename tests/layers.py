@@ -25,6 +25,20 @@ class ToDict(nn.Module):
         return {"x": x}
 
 
+class Transpose(nn.Module):
+    """Puts the batch in dim 1: micro-batches of different sizes give outputs that do not concatenate."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.t()
+
+
+class MaskFirst(nn.Module):
+    """Tensor -> (integer mask, tensor): an output whose first tensor cannot carry a gradient."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return (x > 0).long(), x
+
+
 class Split(nn.Module):
     """Tensor -> tuple of two tensors (a tuple boundary between stages)."""
 

@@ -5,7 +5,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe, StageError
-from tests.layers import SENTINEL, Boom, ToDict
+from tests.layers import SENTINEL, Boom, ToDict, Transpose
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,6 +43,17 @@ def test_non_tensor_stage_output_is_a_type_error_naming_the_stage(cluster):
         with pytest.raises(StageError, match="stage 1 .* TypeError: output of stage 1 must be a Tensor"):
             with torch.no_grad():
                 pipe(torch.randn(4, 4))
+
+
+def test_outputs_that_do_not_concatenate_name_the_last_stage(cluster):
+    """The last stage gathers the micro-batches' outputs along dim 0 before sending them to the driver."""
+    model = nn.Sequential(nn.Linear(4, 4), Transpose())
+    with Pipe(model, chunks=2, balance=[1, 1], workers=cluster.names[:2]) as pipe:
+        with torch.no_grad():
+            with pytest.raises(StageError, match="stage 1 on worker 'worker2' failed in forward .gathering"):
+                pipe(torch.randn(3, 4))  # micro-batches of 2 and 1: outputs of 4x2 and 4x1
+            x = torch.randn(4, 4)  # equal micro-batches concatenate: the pipe is still usable
+            torch.testing.assert_close(pipe(x).local_value(), torch.cat([model(x[:2]), model(x[2:])]))
 
 
 def test_non_tensor_input_raises_type_error_before_any_rpc(cluster):

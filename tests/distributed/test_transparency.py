@@ -4,7 +4,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from rrefpipe import Pipe
-from tests.layers import Merge, Split, mlp, twin
+from tests.layers import MaskFirst, Merge, Split, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,6 +70,26 @@ def test_tuple_input_and_output(cluster):
     assert isinstance(out, tuple) and len(out) == 2
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want)
+
+
+def test_output_whose_first_tensor_carries_no_gradient(cluster):
+    """(integer mask, value) out of the last stage: the gradient reaches every stage through the value."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3), MaskFirst())
+    reference = twin(model)
+    x = torch.randn(6, 4)
+    mask_ref, out_ref = reference(x)
+    out_ref.pow(2).sum().backward()
+    with Pipe(model, chunks=3, balance=[2, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            mask, out = pipe(x).local_value()
+            assert not mask.requires_grad and out.requires_grad
+            dist_autograd.backward(ctx, [out.pow(2).sum()])
+            grads = pipe_grads(pipe, ctx)
+    torch.testing.assert_close(mask, mask_ref)
+    torch.testing.assert_close(out, out_ref)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("per_message", [2, 3])
