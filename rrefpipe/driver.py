@@ -215,12 +215,12 @@ class RemoteDriver:
 
     def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:
         """Send the whole input to the first stage in one message (it splits it into micro-batches)
-        and wait until every output is here, or the first stage reports the step over (failed, or done
-        when outputs stay on the last worker).
+        and wait until the step's output is here, or the first stage reports the step over (failed, or
+        done when the output stays on the last worker).
 
-        Outputs usually arrive before that report, which travels back stage by stage once the last
+        The output usually arrives before that report, which travels back stage by stage once the last
         stage's delivery is acknowledged: not waiting for it saves one reply per stage per step.
-        Once every output is here nothing of the step can fail any more (skips and activations have
+        Once the output is here nothing of the step can fail any more (skips and activations have
         all arrived where they were going)."""
         first = self.workers[0]
         phony = new_phony() if meta.grad_enabled else None
@@ -234,7 +234,7 @@ class RemoteDriver:
             report.add_done_callback(lambda _: collector.done.set())
             collector.done.wait()
             if not report.done():
-                return  # every output is in; the report is still on its way
+                return  # the output is in; the report is still on its way
         try:
             failures = report.wait()
         except Exception as exc:

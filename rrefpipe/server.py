@@ -26,7 +26,6 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from . import microbatch
-from .dependency import join
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -234,7 +233,7 @@ class StageServer:
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            self._outputs[job.i] = (out.value, out.phony)
+            self._outputs[job.i] = (microbatch.apply(self._outbound, out.value), out.phony)
             if len(self._outputs) == job.meta.chunks:
                 sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
@@ -267,23 +266,25 @@ class StageServer:
     def _deliver(self, job: _Job) -> Future[Status]:
         """The step's output, gathered here, to the driver in one message of one tensor per output
         tensor (see ``driver.deliver`` for why): each tensor of a message costs both sides again, and
-        so does its gradient. A phony goes along only for micro-batches the value does not reach."""
+        so does its gradient. The output reaches every micro-batch's hop node in backward through its
+        first tensor, unless that tensor cannot carry a gradient (an integer mask): then one phony made
+        of those micro-batches' phonies goes along, and distributed autograd's receive node on the
+        driver gives it a zero gradient, which reaches them."""
         assert job.meta is not None
         outputs, self._outputs = self._outputs, {}
-        values = [outputs[i][0] for i in range(job.meta.chunks)]
-        unreached = [phony for value, phony in outputs.values()
+        pairs = [outputs[i] for i in range(job.meta.chunks)]  # (value, phony) in micro-batch order
+        values = [value for value, _ in pairs]
+        unreached = [phony for value, phony in pairs
                      if phony is not None and not microbatch.as_tensors(value)[0].requires_grad]
         try:
             gathered = microbatch.gather(values)
+            phony = torch.cat(unreached) if unreached else None
         except Exception as exc:  # outputs that do not concatenate along dim 0
             done: Future[Status] = Future()
             done.set_result(Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
-                                            phase="forward (gathering the micro-batches' outputs)"))
+                                            phase="gather"))
             return done
-        if unreached:
-            gathered = join(gathered, torch.cat(unreached))
-        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step,
-                                                       microbatch.apply(self._outbound, gathered)))
+        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony))
 
     def _outbound(self, t: Tensor) -> Tensor:
         return t if self.spec.send_device is None else t.to(self.spec.send_device)
@@ -324,7 +325,11 @@ class StageServer:
         if step != self._step:
             raise LookupError(f"the output of step {step} is gone (this stage is at step {self._step})")
         kept, self._kept = self._kept, {}
-        return microbatch.gather([kept[i] for i in sorted(kept)])
+        try:
+            return microbatch.gather([kept[i] for i in sorted(kept)])
+        except Exception as exc:  # RPC keeps only the text of what an RRef's body raises: say where
+            raise RuntimeError(f"stage {self.spec.index} on worker {self.stage.worker!r} failed in gather: "
+                               f"{type(exc).__name__}: {exc}") from exc
 
 
 def _when_all(futures: list[Future[Status]], combine: Callable[[list[Status]], Any], target: Future[Any]) -> None:
@@ -474,7 +479,7 @@ def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
 
 
-def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
+def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None) -> None:
     from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
 
-    deliver(pipe_id, step, value)
+    deliver(pipe_id, step, value)  # the phony did its work by travelling in the message

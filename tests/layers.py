@@ -32,13 +32,6 @@ class Transpose(nn.Module):
         return x.t()
 
 
-class MaskFirst(nn.Module):
-    """Tensor -> (integer mask, tensor): an output whose first tensor cannot carry a gradient."""
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return (x > 0).long(), x
-
-
 class Split(nn.Module):
     """Tensor -> tuple of two tensors (a tuple boundary between stages)."""
 
@@ -138,6 +131,25 @@ class PopAB(nn.Module):
         a = yield pop("a")
         b = yield pop("b")
         return x * a + b
+
+
+@skippable(stash=["sign"])
+class StashSign(nn.Module):
+    """Stashes where its input is positive: a skip tensor that needs no gradient."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("sign", (x > 0).float())
+        return x
+
+
+@skippable(pop=["sign"])
+class PopSignFirst(nn.Module):
+    """Tensor -> (integer mask popped from StashSign, tensor): an output whose first tensor cannot
+    carry a gradient, on a stage whose only path back to the skip's sender is its phony."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        sign = yield pop("sign")
+        return sign.long(), x
 
 
 def skip_model(width: int = 6, seed: int = 0) -> nn.Sequential:

@@ -50,10 +50,18 @@ def test_outputs_that_do_not_concatenate_name_the_last_stage(cluster):
     model = nn.Sequential(nn.Linear(4, 4), Transpose())
     with Pipe(model, chunks=2, balance=[1, 1], workers=cluster.names[:2]) as pipe:
         with torch.no_grad():
-            with pytest.raises(StageError, match="stage 1 on worker 'worker2' failed in forward .gathering"):
+            with pytest.raises(StageError, match="stage 1 on worker 'worker2' failed in gather: RuntimeError"):
                 pipe(torch.randn(3, 4))  # micro-batches of 2 and 1: outputs of 4x2 and 4x1
             x = torch.randn(4, 4)  # equal micro-batches concatenate: the pipe is still usable
             torch.testing.assert_close(pipe(x).local_value(), torch.cat([model(x[:2]), model(x[2:])]))
+
+
+def test_outputs_kept_on_the_last_worker_that_do_not_concatenate_name_it(cluster):
+    model = nn.Sequential(nn.Linear(4, 4), Transpose())
+    with Pipe(model, chunks=2, balance=[1, 1], workers=cluster.names[:2], remote_output=True) as pipe:
+        with torch.no_grad():
+            with pytest.raises(RuntimeError, match="stage 1 on worker 'worker2' failed in gather: RuntimeError"):
+                pipe(torch.randn(3, 4)).to_here()
 
 
 def test_non_tensor_input_raises_type_error_before_any_rpc(cluster):

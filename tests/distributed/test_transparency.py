@@ -4,7 +4,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from rrefpipe import Pipe
-from tests.layers import MaskFirst, Merge, Split, mlp, twin
+from tests.layers import Merge, PopSignFirst, Split, StashSign, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,17 +73,19 @@ def test_tuple_input_and_output(cluster):
 
 
 def test_output_whose_first_tensor_carries_no_gradient(cluster):
-    """(integer mask, value) out of the last stage: the gradient reaches every stage through the value."""
+    """(integer mask, value) out of the last stage, the mask a skip that needs no gradient: backward
+    must still reach the skip's message (only its phony leads there) and every gradient must match."""
     torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3), MaskFirst())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), StashSign(), torch.nn.Tanh(), torch.nn.Linear(6, 3),
+                                PopSignFirst())
     reference = twin(model)
     x = torch.randn(6, 4)
     mask_ref, out_ref = reference(x)
     out_ref.pow(2).sum().backward()
-    with Pipe(model, chunks=3, balance=[2, 2], workers=cluster.names[:2]) as pipe:
+    with Pipe(model, chunks=3, balance=[2, 1, 2], workers=cluster.names[:3]) as pipe:
         with dist_autograd.context() as ctx:
             mask, out = pipe(x).local_value()
-            assert not mask.requires_grad and out.requires_grad
+            assert mask.dtype == torch.long and not mask.requires_grad and out.requires_grad
             dist_autograd.backward(ctx, [out.pow(2).sum()])
             grads = pipe_grads(pipe, ctx)
     torch.testing.assert_close(mask, mask_ref)
