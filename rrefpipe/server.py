@@ -8,8 +8,8 @@ buffers what it brought and, if no other body is running this stage, *drains* th
 micro-batch order, running every job whose inputs are complete and pushing its output (and its outgoing
 skips) from the body. The dist-autograd context is current only inside an RPC body, so pushing from the
 body is what keeps every hop in the backward graph. The last stage gathers every output of a step and
-sends it to the driver in one message, from the body that ran the last one. Failures travel back as values
-(:class:`~rrefpipe.errors.Failure`) through the chain of futures.
+sends it to the driver in one message, from the body that ran the last one. Failures travel back as
+values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
@@ -327,9 +327,10 @@ class StageServer:
         kept, self._kept = self._kept, {}
         try:
             return microbatch.gather([kept[i] for i in sorted(kept)])
-        except Exception as exc:  # RPC keeps only the text of what an RRef's body raises: say where
-            raise RuntimeError(f"stage {self.spec.index} on worker {self.stage.worker!r} failed in gather: "
-                               f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # to_here() rebuilds the error from type and text: a plain type, naming the stage
+            failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
+                                      phase="gather")
+            raise RuntimeError(str(failure.to_exception())) from exc
 
 
 def _when_all(futures: list[Future[Status]], combine: Callable[[list[Status]], Any], target: Future[Any]) -> None:
