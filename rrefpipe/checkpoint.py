@@ -35,17 +35,33 @@ def recomputing(flag: bool) -> Iterator[None]:
 
 def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
     """``fn(value)`` keeping only its input; the forward is re-run when backward needs activations,
-    with :func:`is_recomputing` true during the re-runs."""
+    with :func:`is_recomputing` true during the re-runs.
+
+    An exception of the first run is raised only after ``checkpoint`` has closed its forward context.
+    torch 2.11 (not 2.13) leaves that context, a saved-tensor hook, pushed on the calling thread when
+    the function raises, for as long as the exception lives: every later autograd graph on that thread
+    (a stage worker's one RPC thread) then saves its tensors into the failed forward, and its backward
+    fails (``python_error``)."""
     calls = 0
+    failed: list[Exception] = []
 
     def counted(v: Any) -> Any:
         nonlocal calls
         again = calls > 0
         calls += 1
         with recomputing(again):
-            return fn(v)
+            if again:
+                return fn(v)
+            try:
+                return fn(v)
+            except Exception as exc:
+                failed.append(exc)
+                return None
 
-    return checkpoint(counted, value, use_reentrant=False, preserve_rng_state=True)
+    out = checkpoint(counted, value, use_reentrant=False, preserve_rng_state=True)
+    if failed:
+        raise failed.pop()
+    return out
 
 
 def warm_up() -> None:

@@ -1,0 +1,54 @@
+"""Activation checkpointing of a stage (in one process): recomputation and failures."""
+import pytest
+import torch
+
+from rrefpipe.checkpoint import is_recomputing, run_checkpointed
+
+
+def test_recomputation_gives_the_same_gradients_and_is_flagged():
+    flags = []
+
+    def fn(x):
+        flags.append(is_recomputing())
+        return torch.tanh(x) * x
+
+    x = torch.randn(5, requires_grad=True)
+    run_checkpointed(fn, x).sum().backward()
+    y = x.detach().clone().requires_grad_()
+    (torch.tanh(y) * y).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    assert flags == [False, True]
+
+
+def test_a_failed_forward_leaves_later_graphs_of_the_thread_alone():
+    """The exception stays alive (a stage keeps its failure for the driver): later autograd on the same
+    thread must still save and use its own tensors."""
+    def boom(x):
+        raise ValueError("boom")
+
+    kept = []
+    with pytest.raises(ValueError, match="boom") as info:
+        run_checkpointed(boom, torch.ones(3, requires_grad=True))
+    kept.append(info.value)
+    x = torch.arange(3.0, requires_grad=True)
+    (x * x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+    z = torch.ones(2, requires_grad=True)
+    run_checkpointed(torch.exp, z).sum().backward()  # and checkpointing itself still works
+    torch.testing.assert_close(z.grad, torch.exp(z.detach()))
+
+
+def test_a_failed_recomputation_raises_in_backward():
+    calls = []
+
+    def flaky(x):
+        calls.append(is_recomputing())
+        if is_recomputing():
+            raise RuntimeError("changed its mind")
+        return x * x  # saves x: backward must recompute
+
+    x = torch.ones(2, requires_grad=True)
+    out = run_checkpointed(flaky, x)
+    with pytest.raises(RuntimeError, match="changed its mind"):
+        out.sum().backward()
+    assert calls == [False, True]
