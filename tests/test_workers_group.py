@@ -48,19 +48,22 @@ def test_cpu_stages_need_no_devices_or_maps():
     assert stage_devices(group(0), "cuda") == (None, {})  # the driver keeps its tensors on the CPU
 
 
-def test_cuda_on_local_rank_maps_each_worker_to_the_next():
-    # 2 nodes x 2 processes: ranks 0, 1 on node 0 (cuda:0 unused by the driver, cuda:1), ranks 2, 3 on node 1
-    assert stage_devices(group(1), "cuda") == (["cuda:1"], {"worker2": {"cuda:1": "cuda:0"}})
+def test_cuda_on_local_rank_maps_each_worker_to_every_later_one():
+    # 2 nodes x 2 processes: ranks 0, 1 on node 0 (cuda:0 unused by the driver, cuda:1), ranks 2, 3 on node 1.
+    # Activations go to the next worker, skips straight to any later one: each needs a map.
+    assert stage_devices(group(1), "cuda") == (["cuda:1"], {"worker2": {"cuda:1": "cuda:0"},
+                                                           "worker3": {"cuda:1": "cuda:1"}})
     assert stage_devices(group(2), "cuda") == (["cuda:0"], {"worker3": {"cuda:0": "cuda:1"}})
     assert stage_devices(group(3), "cuda") == (["cuda:1"], {})  # the last stage sends to the driver on the CPU
 
 
 def test_one_device_per_stage_worker_like_pipe_devices():
     devices = ["cuda:0", "cpu", "cuda:3"]
-    assert stage_devices(group(1), devices) == (["cuda:0"], {})  # next stage is on the CPU: no map
+    assert stage_devices(group(1), devices) == (["cuda:0"], {"worker3": {"cuda:0": "cuda:3"}})  # none to the CPU
     assert stage_devices(group(2), devices) == (None, {})
     assert stage_devices(group(3), devices) == (["cuda:3"], {})
-    assert stage_devices(group(1), ["cuda:0", "cuda:2", "cuda:1"]) == (["cuda:0"], {"worker2": {"cuda:0": "cuda:2"}})
+    assert stage_devices(group(1), ["cuda:0", "cuda:2", "cuda:1"]) == (
+        ["cuda:0"], {"worker2": {"cuda:0": "cuda:2"}, "worker3": {"cuda:0": "cuda:1"}})
     with pytest.raises(ValueError, match="2 entries for 3 stage workers"):
         stage_devices(group(1), ["cuda:0", "cuda:1"])
     with pytest.raises(ValueError, match="None, 'cuda' or one device per stage worker"):
@@ -80,7 +83,8 @@ def test_device_plan_reaches_tensorpipe_options():
     devices, maps = stage_devices(group(1), "cuda")
     options = backend_options(devices=devices, device_maps=maps, rpc_timeout=9)
     assert options.devices == [torch.device("cuda:1")]
-    assert options.device_maps == {"worker2": {torch.device("cuda:1"): torch.device("cuda:0")}}
+    assert options.device_maps == {"worker2": {torch.device("cuda:1"): torch.device("cuda:0")},
+                                   "worker3": {torch.device("cuda:1"): torch.device("cuda:1")}}
     assert options.rpc_timeout == 9
 
 

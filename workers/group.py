@@ -79,8 +79,9 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
     ``devices``: ``None`` (CPU stages), ``"cuda"`` (stage worker of rank k on ``cuda:LOCAL_RANK``; the
     next worker's device is derived assuming every node runs ``LOCAL_WORLD_SIZE`` processes, as
     ``torchrun --nproc-per-node`` does), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
-    list as ``Pipe(devices=...)``). Each CUDA worker maps its device to the next worker's device, so
-    activations go GPU to GPU (gradients come back over the reverse map). ``device_maps``, keyed by the
+    list as ``Pipe(devices=...)``). Each CUDA worker maps its device to every later CUDA worker's device,
+    so activations (to the next stage) and skips (to any later one) go GPU to GPU; gradients come back
+    over the reverse maps. ``device_maps``, keyed by the
     *sending* worker's name (``{"worker1": {"worker2": {"cuda:0": "cuda:1"}}}``), adds or overrides
     entries for whichever rank has that name, so one literal serves the whole job.
     """
@@ -102,9 +103,9 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
     if devices is not None and group.rank > 0:
         own = device_of(group.rank)
         mine = [own] if own.startswith("cuda") else None
-        nxt = group.rank + 1
-        if mine and nxt < group.world_size and device_of(nxt).startswith("cuda"):
-            maps[f"worker{nxt}"] = {own: device_of(nxt)}
+        for later in range(group.rank + 1, group.world_size) if mine else ():
+            if device_of(later).startswith("cuda"):  # activations to the next stage, skips to any later one
+                maps[f"worker{later}"] = {own: device_of(later)}
     for peer, mapping in (device_maps or {}).get(group.name, {}).items():
         maps.setdefault(peer, {}).update(mapping)
     if maps and mine is None:
