@@ -116,7 +116,7 @@ class Pipe(nn.Module):
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
         else:
-            specs = [_spec(j, len(stages), _on_cpu(stage), None, stage_devices[j]) for j, stage in enumerate(stages)]
+            specs = [_spec(j, _on_cpu(stage), None, stage_devices) for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
 
     @classmethod
@@ -144,7 +144,7 @@ class Pipe(nn.Module):
         nn.Module.__init__(pipe)
         pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
-        specs = [_spec(j, len(factories), None, f, stage_devices[j]) for j, f in enumerate(factories)]
+        specs = [_spec(j, None, f, stage_devices) for j, f in enumerate(factories)]
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe
@@ -351,7 +351,7 @@ def _on_cpu(stage: nn.Sequential) -> nn.Sequential:
     return stage if device is None or device.type == "cpu" else copy.deepcopy(stage).cpu()
 
 
-def _spec(j: int, n: int, module: nn.Sequential | None, factory: StageFactory | None,
-          device: torch.device) -> StageSpec:
-    return StageSpec(index=j, num_stages=n, module=module, factory=factory, device=str(device), next_worker=None,
-                     send_device="cpu" if j == n - 1 and device.type != "cpu" else None)
+def _spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
+          devices: Sequence[torch.device]) -> StageSpec:
+    return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
+                     next_worker=None, stage_devices=[str(d) for d in devices])

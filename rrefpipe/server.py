@@ -49,7 +49,7 @@ class StageSpec:
     factory: Any
     device: str
     next_worker: str | None  # None for the last stage
-    send_device: str | None = None  # move outputs here before sending (no TensorPipe device map)
+    stage_devices: list[str] = field(default_factory=list)  # every stage's device, for what crosses to the CPU
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
 
 
@@ -233,7 +233,7 @@ class StageServer:
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            self._outputs[job.i] = (microbatch.apply(self._outbound, out.value), out.phony)
+            self._outputs[job.i] = (microbatch.apply(self._to_driver, out.value), out.phony)
             if len(self._outputs) == job.meta.chunks:
                 sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
@@ -245,7 +245,7 @@ class StageServer:
             if tensor is None:
                 continue  # travels as a name on the activation message: no tensor, no RPC
             stage = self.stage.routes.outgoing[key]
-            args = (self.pipe_id, stage, job.meta, job.i, key, self._outbound(tensor), out.skip_phonies.get(key))
+            args = (self.pipe_id, stage, job.meta, job.i, key, self._outbound(tensor, stage), out.skip_phonies.get(key))
             sends.append(self._send(job, stage, receive_skip, args))
         return sends
 
@@ -258,7 +258,8 @@ class StageServer:
         last = held[-1].job
         assert last.meta is not None
         stage = self.spec.index + 1
-        group = [(h.job.i, microbatch.apply(self._outbound, h.out.value), h.out.phony, h.nones) for h in held]
+        group = [(h.job.i, microbatch.apply(lambda t: self._outbound(t, stage), h.out.value), h.out.phony, h.nones)
+                 for h in held]
         sent = self._send(last, stage, receive, (self.pipe_id, stage, last.meta, group))
         for h in held:
             _when_all(h.skip_sends + [sent], _first_failure, h.job.future)
@@ -286,8 +287,16 @@ class StageServer:
             return done
         return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony))
 
-    def _outbound(self, t: Tensor) -> Tensor:
-        return t if self.spec.send_device is None else t.to(self.spec.send_device)
+    def _outbound(self, t: Tensor, stage: int) -> Tensor:
+        """``t`` as sent to stage ``stage``: TensorPipe sends a CUDA tensor only over a device map, and
+        maps join CUDA devices, so what goes to a CPU stage goes as a CPU tensor."""
+        cpu = t.device.type != "cpu" and self.spec.stage_devices[stage] == "cpu"
+        return t.to("cpu") if cpu else t
+
+    @staticmethod
+    def _to_driver(t: Tensor) -> Tensor:
+        """The driver keeps its tensors on the CPU and has no device maps: outputs go to it from the CPU."""
+        return t.cpu()
 
     def _send(self, job: _Job, stage: int | None, fn: Any, args: tuple[Any, ...]) -> Future[Status]:
         """An RPC to stage ``stage`` (None: the driver); a failed send names the receiving worker."""
@@ -326,7 +335,7 @@ class StageServer:
             raise LookupError(f"the output of step {step} is gone (this stage is at step {self._step})")
         kept, self._kept = self._kept, {}
         try:
-            return microbatch.gather([kept[i] for i in sorted(kept)])
+            return microbatch.apply(self._to_driver, microbatch.gather([kept[i] for i in sorted(kept)]))
         except Exception as exc:  # to_here() rebuilds the error from type and text: a plain type, naming the stage
             failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
                                       phase="gather")

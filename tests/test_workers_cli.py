@@ -48,3 +48,13 @@ def test_local_workers_map_each_device_to_every_later_worker():
     assert local._device_args(2) == ["--device", "cuda:2"]
     parsed = parse_args(["--rank", "1", "--world-size", "4", "--master-port", "1", *args])
     assert parse_device_map(parsed.device_map) == {"worker2": {"cuda:0": "cuda:1"}, "worker3": {"cuda:0": "cuda:2"}}
+
+
+def test_local_workers_map_cuda_devices_only():
+    """TensorPipe maps join CUDA devices: CPU workers get no device and no map, and nobody maps to one."""
+    from workers import LocalWorkers
+
+    local = LocalWorkers(3, devices=["cuda:0", "cpu", "cuda:1"])
+    assert local._device_args(0) == ["--device", "cuda:0", "--device-map", "worker3=cuda:0>cuda:1"]
+    assert local._device_args(1) == []
+    assert LocalWorkers(2)._device_args(0) == []

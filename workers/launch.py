@@ -129,11 +129,16 @@ class LocalWorkers:
         return self
 
     def _device_args(self, k: int) -> list[str]:
-        if self.devices is None:
+        """A CUDA worker's device, and maps from it to every later CUDA worker (activations go to the
+        next stage, skips to any later one). Maps join CUDA devices only: CPU stages need none, and
+        tensors bound for one cross to the CPU on their stage (see ``rrefpipe.server``)."""
+        devices = self.devices or ["cpu"] * self.num_workers
+        if devices[k] == "cpu":
             return []
-        args = ["--device", self.devices[k]]
-        for later in range(k + 1, self.num_workers):  # activations to the next stage, skips to any later one
-            args += ["--device-map", f"{self.names[later]}={self.devices[k]}>{self.devices[later]}"]
+        args = ["--device", devices[k]]
+        for later in range(k + 1, self.num_workers):
+            if devices[later] != "cpu":
+                args += ["--device-map", f"{self.names[later]}={devices[k]}>{devices[later]}"]
         return args
 
     def close(self) -> None:
