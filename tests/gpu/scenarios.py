@@ -1,0 +1,283 @@
+"""GPU scenarios. Each runs in a fresh interpreter (its own RPC group and local stage workers), started
+by ``tests/gpu/test_cuda.py``; the functions that run *on* a stage worker are here too, so that the
+workers can import them."""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.optim import DistributedOptimizer
+
+from rrefpipe import Pipe, memory
+from tests.layers import mlp, skip_model
+
+#: The device of the GPU stages. Setting it to "cpu" dry-runs the scenarios on a machine without one.
+GPU = os.environ.get("RREFPIPE_TEST_GPU", "cuda:0")
+
+# Micro-batches run through other GPU kernels than the whole batch (another size, another reduction
+# order), so results agree to rounding, not bit for bit.
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _stage_gradients(pipe_id: str, index: int, context_id: int) -> tuple[dict[str, Tensor], list[str]]:
+    """On a stage worker: its parameters' gradients in the context (on the CPU, for the reply to the
+    driver, which has no device map) and the devices its parameters live on."""
+    from rrefpipe.server import _server
+
+    module = _server(pipe_id, index).stage.module
+    grads = dist_autograd.get_gradients(context_id)
+    named = {name: grads[p].cpu() for name, p in module.named_parameters() if p in grads}
+    return named, sorted({str(p.device) for p in module.parameters()})
+
+
+def check_transparent(pipe: Pipe, model: nn.Module, x: Tensor) -> None:
+    """Output, input gradient and every parameter gradient equal those of ``model`` run whole on
+    ``cuda:0``, and each stage's parameters live on the stage's device."""
+    reference = copy.deepcopy(model).to(GPU)
+    x_ref = x.detach().to(GPU).requires_grad_()
+    out_ref = reference(x_ref)
+    weights = torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)
+    (out_ref * weights.to(GPU)).sum().backward()
+    with dist_autograd.context() as ctx:
+        out = pipe(x).local_value()
+        assert out.device.type == "cpu", out.device  # the last stage sends its output to the CPU driver
+        dist_autograd.backward(ctx, [(out * weights).sum()])
+        x_grad = dist_autograd.get_gradients(ctx)[x]
+        grads: dict[str, Tensor] = {}
+        for j, worker in enumerate(pipe._driver.workers):
+            named, devices = rpc.rpc_sync(worker, _stage_gradients, args=(pipe._driver.pipe_id, j, ctx))
+            assert devices in ([pipe.stages[j].device], []), (j, devices, pipe.stages[j])
+            grads.update(named)
+    torch.testing.assert_close(out, out_ref.cpu(), **TOLERANCE)
+    torch.testing.assert_close(x_grad, x_ref.grad.cpu(), **TOLERANCE)
+    expected = {name: p.grad.cpu() for name, p in reference.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, **TOLERANCE, msg=lambda m: f"{name}: {m}")
+
+
+def transparency(checkpoint: str) -> None:
+    model = mlp([5, 8, 8, 6, 3])  # 7 layers
+    x = torch.randn(8, 5, requires_grad=True)
+    with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[3, 4], devices=[GPU, GPU]) as pipe:
+        assert [s.device for s in pipe.stages] == [GPU, GPU]
+        check_transparent(pipe, model, x)
+        check_transparent(pipe, model, torch.randn(5, 5, requires_grad=True))  # uneven micro-batches
+
+
+def skips_between_gpu_workers() -> None:
+    """Skips from stage 0 popped on stages 1 and 2: they go worker to worker over the device maps."""
+    model = skip_model(width=6)
+    x = torch.randn(9, 6, requires_grad=True)
+    for checkpoint in ("always", "never"):
+        with Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 3, 2], devices=[GPU] * 3) as pipe:
+            check_transparent(pipe, model, x)
+
+
+def mixed_devices(devices: list[str]) -> None:
+    model = mlp([5, 8, 8, 6, 3])
+    x = torch.randn(8, 5, requires_grad=True)
+    with Pipe(model, chunks=4, balance=[3, 4], devices=devices) as pipe:
+        assert [s.device for s in pipe.stages] == devices
+        check_transparent(pipe, model, x)
+
+
+def stages_follow_the_layers_devices() -> None:
+    """Layers already on the GPU: the stages go there, and the caller's module is left as it was."""
+    model = mlp([5, 8, 8, 6, 3]).to(GPU)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 5, requires_grad=True)
+    with Pipe(model, chunks=2, balance=[3, 4]) as pipe:
+        assert [s.device for s in pipe.stages] == [GPU, GPU]
+        check_transparent(pipe, model, x)
+    with Pipe(model, chunks=2) as pipe:  # no balance: one stage per run of layers on one device
+        assert pipe.balance == [7] and pipe.stages[0].device == GPU
+        check_transparent(pipe, model, x)
+    assert all(p.device == torch.device(GPU) for p in model.parameters())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+
+
+def training_with_distributed_optimizer() -> None:
+    """30 SGD-with-momentum steps: the same losses and final weights as plain training on the GPU."""
+    model = mlp([10, 32, 32, 4], seed=7)
+    reference = copy.deepcopy(model).to(GPU)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 10, generator=g) * 2
+    pipe_losses, plain_losses = [], []
+    with Pipe(model, chunks=4, balance=[2, 3], devices=[GPU, GPU]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
+        for _ in range(30):
+            y = torch.randint(0, 4, (32,), generator=g)
+            x = centres[y] + torch.randn(32, 10, generator=g)
+            with dist_autograd.context() as ctx:
+                loss = F.cross_entropy(pipe(x).local_value(), y)
+                dist_autograd.backward(ctx, [loss])
+                opt.step(ctx)
+            pipe_losses.append(loss.item())
+            plain_opt.zero_grad()
+            plain_loss = F.cross_entropy(reference(x.to(GPU)), y.to(GPU))
+            plain_loss.backward()
+            plain_opt.step()
+            plain_losses.append(plain_loss.item())
+        trained = pipe.state_dict()
+    assert pipe_losses[-1] < 0.5 * pipe_losses[0], pipe_losses  # it learned
+    torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(plain_losses), rtol=1e-3, atol=1e-4)
+    for key, value in reference.state_dict().items():
+        assert trained[key].device.type == "cpu"
+        torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-3, atol=1e-4)
+
+
+def automatic_balance() -> None:
+    """balance='time' | 'size' profile on the GPU (CUDA events, memory_allocated) and still give a
+    pipe equal to the plain model."""
+    from rrefpipe.balance import balance_by_size, balance_by_time
+
+    widths = [16, 256, 256, 16, 16, 16, 4]  # two heavy layers first
+    model = mlp(widths)
+    x = torch.randn(16, 16, requires_grad=True)
+    on_gpu = copy.deepcopy(model).to(GPU)
+    for balance in (balance_by_time(2, on_gpu, x[:4].to(GPU), timeout=0.3),
+                    balance_by_size(2, on_gpu, x.to(GPU), chunks=4)):
+        assert sum(balance) == len(model) and min(balance) >= 1, balance
+    for mode in ("time", "size"):
+        with Pipe(model, chunks=4, balance=mode, sample=x.detach(), devices=[GPU, GPU]) as pipe:
+            assert sum(pipe.balance) == len(model) and min(pipe.balance) >= 1, pipe.balance
+            check_transparent(pipe, model, x)
+
+
+def world_size_one() -> None:
+    """PyTorch 1.8 style: ``init_rpc`` with one process, modules on the GPU, plain ``backward``."""
+    from workers import free_port
+
+    rpc.init_rpc("solo", rank=0, world_size=1,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
+    try:
+        model = mlp([5, 8, 8, 6, 3]).to(GPU)
+        reference = copy.deepcopy(model)
+        pipe = Pipe(model, chunks=4, balance=[3, 4], checkpoint="always")
+        assert [s.device for s in pipe.stages] == [GPU, GPU]
+        x = torch.randn(8, 5, device=GPU)
+        out = pipe(x).local_value()
+        assert out.device == torch.device(GPU)
+        out.sum().backward()
+        torch.testing.assert_close(out, reference(x), **TOLERANCE)
+        reference(x).sum().backward()
+        for p, q in zip(pipe.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE)
+    finally:
+        rpc.shutdown()
+
+
+def deferred_batch_norm() -> None:
+    """Running statistics on a GPU stage equal those of plain BatchNorm over the whole batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Tanh(),
+                          nn.Flatten())
+    plain = copy.deepcopy(model).to(GPU)
+    with Pipe(model, chunks=4, deferred_batch_norm=True, balance=[3, 3], devices=[GPU, GPU]) as pipe:
+        for step in range(3):
+            x = torch.randn(8, 3, 8, 8) * (1 + step)
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+            plain(x.to(GPU))
+        state = pipe.state_dict()
+        pipe.eval()
+        plain.eval()
+        x = torch.randn(4, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), plain(x.to(GPU)).cpu(), **TOLERANCE)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(state[key], value.cpu(), **TOLERANCE, msg=lambda m: f"{key}: {m}")
+
+
+def remote_output_and_state_round_trip() -> None:
+    """The output kept on the last GPU worker comes back with ``to_here()``; a state dict loaded into
+    the GPU stages gives the loaded model's outputs."""
+    model = mlp([5, 8, 8, 6, 3])
+    other = mlp([5, 8, 8, 6, 3], seed=1)
+    x = torch.randn(8, 5)
+    with Pipe(model, chunks=4, balance=[3, 4], devices=[GPU, GPU], remote_output=True) as pipe:
+        with torch.no_grad():
+            out = pipe(x).to_here()
+            torch.testing.assert_close(out, model(x), **TOLERANCE)
+            pipe.load_state_dict(other.state_dict())
+            torch.testing.assert_close(pipe(x).to_here(), other(x), **TOLERANCE)
+
+
+def gpu_input_is_refused() -> None:
+    with Pipe(mlp([5, 8, 3]), chunks=2, balance=[1, 2], devices=[GPU, GPU]) as pipe:
+        try:
+            pipe(torch.randn(4, 5, device=GPU))
+        except ValueError as exc:
+            assert "pass CPU tensors" in str(exc), exc
+        else:
+            raise AssertionError("a CUDA input was accepted")
+        with torch.no_grad():  # and the pipe still works
+            torch.testing.assert_close(pipe(torch.ones(4, 5)).local_value(), pipe(torch.ones(4, 5)).local_value())
+
+
+def missing_device_map() -> None:
+    """GPU stages on workers given no device maps (as in an RPC group built without them): the first
+    hop fails at once with a StageError naming the receiving worker and TensorPipe's cause."""
+    from rrefpipe import StageError
+    from workers import LocalWorkers
+
+    with LocalWorkers(2, threads=1) as local:
+        with Pipe(mlp([5, 8, 8, 6, 3]), chunks=2, balance=[3, 4], devices=[GPU, GPU], workers=local.names) as pipe:
+            try:
+                with torch.no_grad():
+                    pipe(torch.randn(4, 5)).local_value()
+            except StageError as exc:
+                assert exc.worker == "worker2" and "device" in str(exc), exc
+                print(f"refused: {exc}")
+            else:
+                assert GPU == "cpu", "a CUDA tensor went to a worker that has no device map"
+
+
+def memory_on_gpu_stages() -> None:
+    """'always' keeps only each stage's inputs for backward, counted on the GPU; CUDA peaks are reported."""
+    model = mlp([64, 256, 256, 256, 64])
+    x = torch.randn(32, 64)
+    kept = {}
+    for checkpoint in ("never", "always"):
+        with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[3, 4], devices=[GPU, GPU]) as pipe:
+            names = [s.worker for s in pipe.stages]
+            memory.track_workers(names)
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+            reports = memory.worker_reports(names)
+            if GPU.startswith("cuda"):
+                assert all(r.cuda_allocated and r.cuda_allocated > 0 for r in reports), reports
+            kept[checkpoint] = [r.saved_peak for r in reports]
+    # 'always': stage 0 keeps its input (32 x 64 floats), stage 1 its input (32 x 256)
+    assert kept["always"] == [32 * 64 * 4, 32 * 256 * 4], kept
+    assert all(a < n for a, n in zip(kept["always"], kept["never"])), kept
+
+
+def torchrun_job() -> None:
+    """Every rank of ``torchrun --nproc-per-node 4`` runs this: rank 0 drives three GPU stage workers
+    whose device maps come from ``torchrun_group(devices=...)``, with a skip from the first stage to
+    the last (a map that skips a worker)."""
+    import workers
+
+    devices = [GPU] * 3
+    with workers.torchrun_group(devices=devices, threads=1, rpc_timeout=60) as stage_workers:
+        model = skip_model(width=6)
+        x = torch.randn(9, 6, requires_grad=True)
+        with Pipe(model, chunks=3, balance=[1, 5, 1], workers=stage_workers, devices=devices) as pipe:
+            assert [s.device for s in pipe.stages] == devices
+            check_transparent(pipe, model, x)
+        print("driver ok", flush=True)
+
+
+if __name__ == "__main__":  # under torchrun: import by name, so pickled functions resolve on every rank
+    from tests.gpu.scenarios import torchrun_job as job
+
+    job()

@@ -1,0 +1,83 @@
+"""Stages on a CUDA GPU: placement, TensorPipe device maps between GPU workers, the CPU driver's
+boundaries, and everything that touches CUDA (checkpoint RNG, balancing, batch norm, memory reports).
+
+Each scenario (``tests/gpu/scenarios.py``) runs in a fresh interpreter with its own local workers, as
+the shared CPU workers of the other tests have no device maps. Without a GPU these tests are skipped;
+they run wherever ``torch.cuda.is_available()`` (see README, Testing).
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import run_script
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(240)]
+
+
+def scenario(call: str) -> None:
+    try:
+        run_script(f"from tests.gpu import scenarios\nscenarios.{call}\nprint('ok')", timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{call} did not finish in {exc.timeout} s:\n{exc.stdout!r}\n{exc.stderr!r}")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_gpu_stages_match_the_plain_model(checkpoint):
+    scenario(f"transparency({checkpoint!r})")
+
+
+def test_skips_between_gpu_workers():
+    scenario("skips_between_gpu_workers()")
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu"]])
+def test_cpu_and_gpu_stages_in_one_pipe(devices):
+    scenario(f"mixed_devices({devices!r})")
+
+
+def test_stages_follow_the_layers_devices():
+    scenario("stages_follow_the_layers_devices()")
+
+
+def test_training_with_the_distributed_optimizer():
+    scenario("training_with_distributed_optimizer()")
+
+
+def test_automatic_balance_on_the_gpu():
+    scenario("automatic_balance()")
+
+
+def test_world_size_one_runs_gpu_stages_in_process():
+    scenario("world_size_one()")
+
+
+def test_deferred_batch_norm_on_the_gpu():
+    scenario("deferred_batch_norm()")
+
+
+def test_remote_output_and_state_dict_round_trip():
+    scenario("remote_output_and_state_round_trip()")
+
+
+def test_gpu_input_is_refused_with_a_clear_error():
+    scenario("gpu_input_is_refused()")
+
+
+def test_workers_without_device_maps_refuse_gpu_tensors_clearly():
+    scenario("missing_device_map()")
+
+
+def test_memory_reports_on_gpu_stages():
+    scenario("memory_on_gpu_stages()")
+
+
+def test_torchrun_job_with_gpu_stage_workers():
+    """``torchrun`` on one host, stage workers' device maps from ``torchrun_group(devices=...)``."""
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "tests.gpu.scenarios"], capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert proc.returncode == 0 and "driver ok" in proc.stdout, proc.stdout + proc.stderr
