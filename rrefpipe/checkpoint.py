@@ -43,7 +43,7 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
     (a stage worker's one RPC thread) then saves its tensors into the failed forward, and its backward
     fails (``python_error``)."""
     calls = 0
-    failed: list[Exception] = []
+    failed: list[BaseException] = []
 
     def counted(v: Any) -> Any:
         nonlocal calls
@@ -54,14 +54,15 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
                 return fn(v)
             try:
                 return fn(v)
-            except Exception as exc:
+            except BaseException as exc:  # raised again below, whatever it is
                 failed.append(exc)
                 return None
 
-    out = checkpoint(counted, value, use_reentrant=False, preserve_rng_state=True)
-    if failed:
-        raise failed.pop()
-    return out
+    try:
+        return checkpoint(counted, value, use_reentrant=False, preserve_rng_state=True)
+    finally:
+        if failed:  # the stage's own error, also if checkpoint then raised one of its own
+            raise failed.pop()
 
 
 def warm_up() -> None:
