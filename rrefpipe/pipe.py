@@ -324,12 +324,15 @@ def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
 
 
 def _devices(devices: Sequence[str | torch.device] | None, count: int | None) -> list[torch.device] | None:
+    """The devices as stages and device maps compare them ("cpu:0" is "cpu", a bare "cuda" "cuda:0")."""
+    from workers.options import device_name
+
     if devices is None:
         return None
     out = []
     for d in devices:
         try:
-            out.append(torch.device(d))
+            out.append(torch.device(device_name(d)))
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"invalid device {d!r}: {exc}") from None
     if count is not None and len(out) != count:

@@ -49,7 +49,7 @@ class StageSpec:
     factory: Any
     device: str
     next_worker: str | None  # None for the last stage
-    stage_devices: list[str] = field(default_factory=list)  # every stage's device, for what crosses to the CPU
+    stage_devices: list[str]  # every stage's device: what a GPU stage sends to a CPU one crosses to the CPU
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
 
 

@@ -54,7 +54,7 @@ def test_local_workers_map_cuda_devices_only():
     """TensorPipe maps join CUDA devices: CPU workers get no device and no map, and nobody maps to one."""
     from workers import LocalWorkers
 
-    local = LocalWorkers(3, devices=["cuda:0", "cpu", "cuda:1"])
+    local = LocalWorkers(3, devices=["cuda", "cpu:0", "cuda:1"])  # spelled as users may
     assert local._device_args(0) == ["--device", "cuda:0", "--device-map", "worker3=cuda:0>cuda:1"]
     assert local._device_args(1) == []
     assert LocalWorkers(2)._device_args(0) == []

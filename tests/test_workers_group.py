@@ -76,7 +76,20 @@ def test_explicit_device_maps_are_keyed_by_the_sender():
     devices, mine = stage_devices(group(1), "cuda", maps)
     assert devices == ["cuda:1"]
     assert mine == {"worker2": {"cuda:1": "cuda:1"}, "worker3": {"cuda:1": "cuda:1"}}  # overrides the derived one
-    assert stage_devices(group(2), None, maps) == (["cuda:0"], {"worker3": {"cuda:0": "cuda:0"}})
+    # worker2 sends from cuda:0 and receives worker1's tensors on cuda:1: TensorPipe wants both listed
+    assert stage_devices(group(2), None, maps) == (["cuda:0", "cuda:1"], {"worker3": {"cuda:0": "cuda:0"}})
+
+
+def test_overrides_list_every_device_a_worker_sends_from():
+    devices, maps = stage_devices(group(1), "cuda", {"worker1": {"worker2": {"cuda:0": "cuda:1"}}})
+    assert maps["worker2"] == {"cuda:1": "cuda:0", "cuda:0": "cuda:1"}
+    assert devices == ["cuda:0", "cuda:1"]
+
+
+def test_device_spellings_are_normalised():
+    # "cpu:0" is the CPU (no maps), a bare "cuda" is cuda:0
+    assert stage_devices(group(1), ["cuda", "cpu:0", "cuda:1"]) == (["cuda:0"], {"worker3": {"cuda:0": "cuda:1"}})
+    assert stage_devices(group(2), ["cuda", "cpu:0", "cuda:1"]) == (None, {})
 
 
 def test_device_plan_reaches_tensorpipe_options():

@@ -27,7 +27,7 @@ import torch.distributed.rpc as rpc
 
 from .network import configure_interface
 from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS,
-                      STAGE_RPC_THREADS, DeviceMap, backend_options)
+                      STAGE_RPC_THREADS, DeviceMap, backend_options, device_name, maps_to_later_workers)
 from .serve import serve, stop_workers
 
 __all__ = ["GroupEnv", "torchrun_group", "stage_devices"]
@@ -77,12 +77,10 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
     """This rank's TensorPipe ``devices`` and device maps (pure; the driver keeps tensors on the CPU).
 
     ``devices``: ``None`` (CPU stages), ``"cuda"`` (stage worker of rank k on ``cuda:LOCAL_RANK``; the
-    next worker's device is derived assuming every node runs ``LOCAL_WORLD_SIZE`` processes, as
+    other workers' devices are derived assuming every node runs ``LOCAL_WORLD_SIZE`` processes, as
     ``torchrun --nproc-per-node`` does), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
-    list as ``Pipe(devices=...)``). Each CUDA worker maps its device to every later CUDA worker's device,
-    so activations (to the next stage) and skips (to any later one) go GPU to GPU; gradients come back
-    over the reverse maps. ``device_maps``, keyed by the
-    *sending* worker's name (``{"worker1": {"worker2": {"cuda:0": "cuda:1"}}}``), adds or overrides
+    list as ``Pipe(devices=...)``), mapped as :func:`~workers.options.maps_to_later_workers` says.
+    ``device_maps``, keyed by the *sending* worker's name (``{"worker1": {"worker2": {"cuda:0": "cuda:1"}}}``), adds or overrides
     entries for whichever rank has that name, so one literal serves the whole job.
     """
     def device_of(rank: int) -> str:
@@ -91,7 +89,7 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
         if devices == "cuda":
             return f"cuda:{rank % group.local_world_size if rank != group.rank else group.local_rank}"
         assert not isinstance(devices, str) and devices is not None
-        return str(devices[rank - 1])
+        return device_name(devices[rank - 1])
 
     if isinstance(devices, str) and devices != "cuda":
         raise ValueError(f"devices must be None, 'cuda' or one device per stage worker, got {devices!r}")
@@ -99,17 +97,19 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
         raise ValueError(f"devices has {len(devices)} entries for {group.world_size - 1} stage workers "
                          f"(ranks 1..{group.world_size - 1})")
     maps: dict[str, dict[str, str]] = {}
-    mine: list[str] | None = None
     if devices is not None and group.rank > 0:
-        own = device_of(group.rank)
-        mine = [own] if own.startswith("cuda") else None
-        for later in range(group.rank + 1, group.world_size) if mine else ():
-            if device_of(later).startswith("cuda"):  # activations to the next stage, skips to any later one
-                maps[f"worker{later}"] = {own: device_of(later)}
+        later = {f"worker{r}": device_of(r) for r in range(group.rank + 1, group.world_size)}
+        maps = maps_to_later_workers(device_of(group.rank), later)
     for peer, mapping in (device_maps or {}).get(group.name, {}).items():
         maps.setdefault(peer, {}).update(mapping)
-    if maps and mine is None:
-        mine = sorted({src for mapping in maps.values() for src in mapping if src != "cpu"}) or None
+    # TensorPipe wants every device this rank sends from or receives on in its list: the own GPU, the
+    # sources of its maps, and the targets of other ranks' maps to it.
+    used = {src for mapping in maps.values() for src in mapping}
+    used |= {dst for sender, peers in (device_maps or {}).items() if sender != group.name
+             for dst in peers.get(group.name, {}).values()}
+    if devices is not None and group.rank > 0:
+        used.add(device_of(group.rank))
+    mine = sorted(used - {"cpu"}) or None
     return mine, maps
 
 

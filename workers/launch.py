@@ -18,7 +18,7 @@ from types import TracebackType
 
 import torch.distributed.rpc as rpc
 
-from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options
+from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, maps_to_later_workers
 
 __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running"]
 
@@ -129,16 +129,12 @@ class LocalWorkers:
         return self
 
     def _device_args(self, k: int) -> list[str]:
-        """A CUDA worker's device, and maps from it to every later CUDA worker (activations go to the
-        next stage, skips to any later one). Maps join CUDA devices only: CPU stages need none, and
-        tensors bound for one cross to the CPU on their stage (see ``rrefpipe.server``)."""
-        devices = self.devices or ["cpu"] * self.num_workers
-        if devices[k] == "cpu":
-            return []
-        args = ["--device", devices[k]]
-        for later in range(k + 1, self.num_workers):
-            if devices[later] != "cpu":
-                args += ["--device-map", f"{self.names[later]}={devices[k]}>{devices[later]}"]
+        """A GPU worker's device and its maps to every later GPU worker (``maps_to_later_workers``)."""
+        devices = [device_name(d) for d in self.devices or ["cpu"] * self.num_workers]
+        later = dict(zip(self.names[k + 1:], devices[k + 1:]))
+        args = [] if devices[k] == "cpu" else ["--device", devices[k]]
+        for peer, mapping in maps_to_later_workers(devices[k], later).items():
+            args += ["--device-map", f"{peer}={devices[k]}>{mapping[devices[k]]}"]
         return args
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 __all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_INTEROP_THREADS",
-           "STAGE_RPC_THREADS", "backend_options", "parse_device_map"]
+           "STAGE_RPC_THREADS", "backend_options", "device_name", "maps_to_later_workers", "parse_device_map"]
 
 #: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
 DEFAULT_RPC_TIMEOUT = 120.0
@@ -69,6 +69,23 @@ def backend_options(
     for peer, mapping in (device_maps or {}).items():
         options.set_device_map(peer, {torch.device(k): torch.device(v) for k, v in mapping.items()})
     return options
+
+
+def device_name(device: str | torch.device) -> str:
+    """One spelling per device, as stages and device maps compare them: ``"cpu"`` for any CPU device,
+    ``"cuda:K"`` for a GPU (a bare ``"cuda"`` is ``"cuda:0"``)."""
+    d = torch.device(device)
+    return "cpu" if d.type == "cpu" else f"{d.type}:{d.index or 0}"
+
+
+def maps_to_later_workers(own: str, later: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """A stage worker's device maps: from its device to the device of every later worker (name ->
+    device) that is not on the CPU. Activations go to the next stage, skips straight to any later one;
+    gradients come back over the reverse maps. TensorPipe maps join GPUs only: a CPU worker has none,
+    and a GPU stage sends to a CPU one from the CPU (``rrefpipe.server``)."""
+    if own == "cpu":
+        return {}
+    return {name: {own: device} for name, device in later.items() if device != "cpu"}
 
 
 def parse_device_map(entries: Sequence[str]) -> dict[str, dict[str, str]]:

@@ -115,3 +115,12 @@ def test_next_stage_starts_when_a_message_is_full(cluster):
         forward = {(e.stage, e.microbatch): e for e in pipe.execution_record() if e.kind == "forward"}
     assert forward[(1, 0)].start >= forward[(0, 1)].end
     assert forward[(1, 2)].start >= forward[(0, 3)].end
+
+
+def test_any_spelling_of_the_cpu_is_the_cpu(cluster):
+    """'cpu:0' and torch.device('cpu') name the same device: stages on it need no crossing to the CPU."""
+    model = mlp([5, 8, 3])
+    with Pipe(model, chunks=2, balance=[1, 2], devices=["cpu:0", torch.device("cpu")],
+              workers=cluster.names[:2]) as pipe:
+        assert [s.device for s in pipe.stages] == ["cpu", "cpu"]
+        check_transparent(pipe, model, torch.randn(4, 5, requires_grad=True))
