@@ -3,17 +3,23 @@ boundaries, and everything that touches CUDA (checkpoint RNG, balancing, batch n
 
 Each scenario (``tests/gpu/scenarios.py``) runs in a fresh interpreter with its own local workers, as
 the shared CPU workers of the other tests have no device maps. Without a GPU these tests are skipped;
-they run wherever ``torch.cuda.is_available()`` (see README, Testing).
+they run wherever ``torch.cuda.is_available()`` (see README, Status). ``RREFPIPE_TEST_GPU=cpu`` runs
+them on the CPU instead, a dry run of the scenarios themselves (the refusal of CUDA inputs and of
+missing device maps then has nothing to refuse).
 """
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import ROOT, run_script
+from tests.gpu.scenarios import GPU
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+DRY_RUN = GPU == "cpu"
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or DRY_RUN), reason="needs a CUDA GPU"),
               pytest.mark.timeout(240)]
 
 
@@ -33,7 +39,7 @@ def test_skips_between_gpu_workers():
     scenario("skips_between_gpu_workers()")
 
 
-@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu"]])
+@pytest.mark.parametrize("devices", [["cpu", GPU], [GPU, "cpu"]])
 def test_cpu_and_gpu_stages_in_one_pipe(devices):
     scenario(f"mixed_devices({devices!r})")
 
@@ -76,8 +82,13 @@ def test_memory_reports_on_gpu_stages():
 
 def test_torchrun_job_with_gpu_stage_workers():
     """``torchrun`` on one host, stage workers' device maps from ``torchrun_group(devices=...)``."""
-    from tests.conftest import ROOT
-
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "tests.gpu.scenarios"], capture_output=True, text=True, timeout=150, cwd=ROOT)
-    assert proc.returncode == 0 and "driver ok" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             "-m", "tests.gpu.scenarios"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)  # a session of its own: a timeout ends every rank
+    try:
+        out, err = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun job did not finish in 150 s:\n{out}\n{err}")
+    assert proc.returncode == 0 and "driver ok" in out, out + err
