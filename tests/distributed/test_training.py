@@ -7,37 +7,16 @@ from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
 from tests.layers import mlp, twin
+from tests.training import blobs, train_side_by_side
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def blobs(steps: int, batch: int, seed: int = 0):
-    """Four Gaussian clusters in 10-D, a fixed batch sequence."""
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(4, 10, generator=g) * 2
-    for _ in range(steps):
-        y = torch.randint(0, 4, (batch,), generator=g)
-        yield centres[y] + torch.randn(batch, 10, generator=g), y
 
 
 def test_200_steps_match_plain_training(cluster):
     model = mlp([10, 32, 32, 4], seed=7)  # 5 layers
     reference = twin(model)
-    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    plain_losses, pipe_losses = [], []
     with Pipe(model, chunks=4, balance=[2, 3], workers=cluster.names[:2]) as pipe:
-        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
-        for x, y in blobs(200, 32):
-            with dist_autograd.context() as ctx:
-                loss = F.cross_entropy(pipe(x).local_value(), y)
-                dist_autograd.backward(ctx, [loss])
-                opt.step(ctx)
-            pipe_losses.append(loss.item())
-            plain_opt.zero_grad()
-            plain_loss = F.cross_entropy(reference(x), y)
-            plain_loss.backward()
-            plain_opt.step()
-            plain_losses.append(plain_loss.item())
+        pipe_losses, plain_losses = train_side_by_side(pipe, reference, blobs(200, 32))
         trained = pipe.state_dict()
     assert pipe_losses[-1] < 0.5 * pipe_losses[0]  # it learned
     torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(plain_losses), rtol=1e-3, atol=1e-4)

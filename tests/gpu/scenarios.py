@@ -9,12 +9,11 @@ import os
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe, memory
 from tests.layers import mlp, skip_model
+from tests.training import blobs, train_side_by_side
 
 #: The device of the GPU stages. Setting it to "cpu" dry-runs the scenarios on a machine without one.
 GPU = os.environ.get("RREFPIPE_TEST_GPU", "cuda:0")
@@ -108,25 +107,8 @@ def training_with_distributed_optimizer() -> None:
     """30 SGD-with-momentum steps: the same losses and final weights as plain training on the GPU."""
     model = mlp([10, 32, 32, 4], seed=7)
     reference = copy.deepcopy(model).to(GPU)
-    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(0)
-    centres = torch.randn(4, 10, generator=g) * 2
-    pipe_losses, plain_losses = [], []
     with Pipe(model, chunks=4, balance=[2, 3], devices=[GPU, GPU]) as pipe:
-        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
-        for _ in range(30):
-            y = torch.randint(0, 4, (32,), generator=g)
-            x = centres[y] + torch.randn(32, 10, generator=g)
-            with dist_autograd.context() as ctx:
-                loss = F.cross_entropy(pipe(x).local_value(), y)
-                dist_autograd.backward(ctx, [loss])
-                opt.step(ctx)
-            pipe_losses.append(loss.item())
-            plain_opt.zero_grad()
-            plain_loss = F.cross_entropy(reference(x.to(GPU)), y.to(GPU))
-            plain_loss.backward()
-            plain_opt.step()
-            plain_losses.append(plain_loss.item())
+        pipe_losses, plain_losses = train_side_by_side(pipe, reference, blobs(30, 32), device=GPU)
         trained = pipe.state_dict()
     assert pipe_losses[-1] < 0.5 * pipe_losses[0], pipe_losses  # it learned
     torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(plain_losses), rtol=1e-3, atol=1e-4)

@@ -1,0 +1,42 @@
+"""Training a pipe and the plain model side by side on the same batches (CPU and GPU tests alike)."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.optim import DistributedOptimizer
+
+from rrefpipe import Pipe
+
+
+def blobs(steps: int, batch: int, seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+    """Four Gaussian clusters in 10-D, a fixed batch sequence."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(4, 10, generator=g) * 2
+    for _ in range(steps):
+        y = torch.randint(0, 4, (batch,), generator=g)
+        yield centres[y] + torch.randn(batch, 10, generator=g), y
+
+
+def train_side_by_side(pipe: Pipe, reference: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
+                       device: str = "cpu") -> tuple[list[float], list[float]]:
+    """SGD with momentum on both (the pipe through DistributedOptimizer, ``reference`` on ``device``);
+    the losses of each step, the pipe's first."""
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
+    pipe_losses, plain_losses = [], []
+    for x, y in batches:
+        with dist_autograd.context() as ctx:
+            loss = F.cross_entropy(pipe(x).local_value(), y)
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+        pipe_losses.append(loss.item())
+        plain_opt.zero_grad()
+        plain_loss = F.cross_entropy(reference(x.to(device)), y.to(device))
+        plain_loss.backward()
+        plain_opt.step()
+        plain_losses.append(plain_loss.item())
+    return pipe_losses, plain_losses
