@@ -113,7 +113,7 @@ def plain_training(device: str, model: torch.nn.Sequential, x: torch.Tensor, y: 
 
 
 def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int,
-                  checkpoint: str, warmup: int, repeats: int) -> dict[str, Any]:
+                  checkpoint: str, warmup: int, repeats: int, timeline: Path | None = None) -> dict[str, Any]:
     """Median step from the driver; the loss (on the CPU) waits for each forward, and the next step's
     forward queues behind this step's backward and update on the GPU, so steady-state steps are whole."""
     from torch.distributed.optim import DistributedOptimizer
@@ -130,7 +130,13 @@ def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential,
                 dist_autograd.backward(ctx, [F.cross_entropy(pipe(x).local_value(), y)])
                 opt.step(ctx)
 
-        return summary(time_calls(step, warmup, repeats))
+        stats = summary(time_calls(step, warmup, repeats))
+        if timeline is not None:  # the host's side of three more steps: where a stage computes, where it waits
+            pipe.execution_record(clear=True)
+            for _ in range(3):
+                step()
+            pipe.timeline(timeline.parent / f"{timeline.name}-{checkpoint}-m{chunks}")
+        return stats
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with LocalWorkers(2, devices=devices, threads=1) as local:
         hops = pipe_hops(local.names, args.device, args.sizes, args.warmup, args.repeats)
         training = [{"chunks": m, "checkpoint": ck,
-                     "step": pipe_training(local.names, args.device, model, x, y, m, ck, args.warmup, args.repeats)}
+                     "step": pipe_training(local.names, args.device, model, x, y, m, ck, args.warmup, args.repeats,
+                                           args.timeline)}
                     for ck in args.checkpoints for m in args.chunks]
     result["hops"] = [{"size": label, "raw": summary(raw[label]), **{k: summary(v) for k, v in hops[label].items()}}
                       for label in args.sizes]
@@ -189,6 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--timeline", type=Path, help="PREFIX: write each training run's last 3 steps as PREFIX-CKPT-mM"
+                   ".json/.png (host-side spans: CUDA kernels run asynchronously)")
     return p.parse_args(argv)
 
 
