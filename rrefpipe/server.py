@@ -233,7 +233,7 @@ class StageServer:
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            self._outputs[job.i] = (microbatch.apply(self._to_driver, out.value), out.phony)
+            self._outputs[job.i] = (microbatch.apply(lambda t: self._outbound(t, None), out.value), out.phony)
             if len(self._outputs) == job.meta.chunks:
                 sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
@@ -287,16 +287,12 @@ class StageServer:
             return done
         return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony))
 
-    def _outbound(self, t: Tensor, stage: int) -> Tensor:
-        """``t`` as sent to stage ``stage``: TensorPipe sends a CUDA tensor only over a device map, and
-        maps join CUDA devices, so what goes to a CPU stage goes as a CPU tensor."""
-        cpu = t.device.type != "cpu" and self.spec.stage_devices[stage] == "cpu"
-        return t.to("cpu") if cpu else t
-
-    @staticmethod
-    def _to_driver(t: Tensor) -> Tensor:
-        """The driver keeps its tensors on the CPU and has no device maps: outputs go to it from the CPU."""
-        return t.cpu()
+    def _outbound(self, t: Tensor, stage: int | None) -> Tensor:
+        """``t`` as sent to stage ``stage`` (None: the driver). TensorPipe sends a CUDA tensor only over
+        a device map, and maps join CUDA devices: what goes to a CPU stage, or to the driver (which keeps
+        its tensors on the CPU and has no maps), goes as a CPU tensor."""
+        receiver = "cpu" if stage is None else self.spec.stage_devices[stage]
+        return t.cpu() if receiver == "cpu" else t
 
     def _send(self, job: _Job, stage: int | None, fn: Any, args: tuple[Any, ...]) -> Future[Status]:
         """An RPC to stage ``stage`` (None: the driver); a failed send names the receiving worker."""
@@ -335,7 +331,8 @@ class StageServer:
             raise LookupError(f"the output of step {step} is gone (this stage is at step {self._step})")
         kept, self._kept = self._kept, {}
         try:
-            return microbatch.apply(self._to_driver, microbatch.gather([kept[i] for i in sorted(kept)]))
+            gathered = microbatch.gather([kept[i] for i in sorted(kept)])
+            return microbatch.apply(lambda t: self._outbound(t, None), gathered)
         except Exception as exc:  # to_here() rebuilds the error from type and text: a plain type, naming the stage
             failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
                                       phase="gather")

@@ -80,8 +80,9 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
     other workers' devices are derived assuming every node runs ``LOCAL_WORLD_SIZE`` processes, as
     ``torchrun --nproc-per-node`` does), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
     list as ``Pipe(devices=...)``), mapped as :func:`~workers.options.maps_to_later_workers` says.
-    ``device_maps``, keyed by the *sending* worker's name (``{"worker1": {"worker2": {"cuda:0": "cuda:1"}}}``), adds or overrides
-    entries for whichever rank has that name, so one literal serves the whole job.
+    ``device_maps``, keyed by the *sending* worker's name (``{"worker1": {"worker2": {"cuda:0":
+    "cuda:1"}}}``), adds or overrides entries for whichever rank has that name, so one literal serves the
+    whole job.
     """
     def device_of(rank: int) -> str:
         if rank == 0:
@@ -97,20 +98,17 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
         raise ValueError(f"devices has {len(devices)} entries for {group.world_size - 1} stage workers "
                          f"(ranks 1..{group.world_size - 1})")
     maps: dict[str, dict[str, str]] = {}
+    used: set[str] = set()  # TensorPipe wants every device a rank sends from or receives on in its list
     if devices is not None and group.rank > 0:
-        later = {f"worker{r}": device_of(r) for r in range(group.rank + 1, group.world_size)}
-        maps = maps_to_later_workers(device_of(group.rank), later)
+        own = device_of(group.rank)
+        used.add(own)
+        maps = maps_to_later_workers(own, {f"worker{r}": device_of(r) for r in range(group.rank + 1, group.world_size)})
     for peer, mapping in (device_maps or {}).get(group.name, {}).items():
         maps.setdefault(peer, {}).update(mapping)
-    # TensorPipe wants every device this rank sends from or receives on in its list: the own GPU, the
-    # sources of its maps, and the targets of other ranks' maps to it.
-    used = {src for mapping in maps.values() for src in mapping}
+    used |= {src for mapping in maps.values() for src in mapping}
     used |= {dst for sender, peers in (device_maps or {}).items() if sender != group.name
              for dst in peers.get(group.name, {}).values()}
-    if devices is not None and group.rank > 0:
-        used.add(device_of(group.rank))
-    mine = sorted(used - {"cpu"}) or None
-    return mine, maps
+    return sorted(used - {"cpu"}) or None, maps
 
 
 @contextmanager
