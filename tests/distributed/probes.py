@@ -1,5 +1,8 @@
-"""Reading a pipe's gradients out of a dist-autograd context, keyed like the plain model."""
+"""Probes of a pipe's stages: their gradients in a dist-autograd context, keyed like the plain model, and
+the check that a pipe computes what the plain model does."""
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -7,11 +10,18 @@ import torch.distributed.rpc as rpc
 
 
 def _named_grads(pipe_id: str, index: int, context_id: int) -> dict[str, torch.Tensor]:
+    """On a stage worker: its gradients in the context, on the CPU (the driver has no device maps)."""
     from rrefpipe.server import _server
 
     grads = dist_autograd.get_gradients(context_id)
     module = _server(pipe_id, index).stage.module
-    return {name: grads[p] for name, p in module.named_parameters() if p in grads}
+    return {name: grads[p].cpu() for name, p in module.named_parameters() if p in grads}
+
+
+def _parameter_devices(pipe_id: str, index: int) -> list[str]:
+    from rrefpipe.server import _server
+
+    return sorted({str(p.device) for p in _server(pipe_id, index).stage.module.parameters()})
 
 
 def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
@@ -22,6 +32,32 @@ def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     for j, worker in enumerate(driver.workers):
         out.update(rpc.rpc_sync(worker, _named_grads, args=(driver.pipe_id, j, context_id)))
     return out
+
+
+def check_transparent(pipe, model, x, device: str = "cpu", **tolerance) -> None:
+    """Output, input gradient and every parameter gradient equal those of ``model`` run whole on
+    ``device`` (``tolerance``: ``assert_close``'s, where kernels differ), and each stage's parameters
+    live on the stage's device."""
+    reference = copy.deepcopy(model).to(device)
+    x_ref = x.detach().to(device).requires_grad_()
+    out_ref = reference(x_ref)
+    weights = torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)
+    (out_ref * weights.to(device)).sum().backward()
+    with dist_autograd.context() as ctx:
+        out = pipe(x).local_value()
+        assert out.device.type == "cpu", out.device  # the last stage sends its output to the CPU driver
+        dist_autograd.backward(ctx, [(out * weights).sum()])
+        x_grad = dist_autograd.get_gradients(ctx)[x]
+        grads = stage_gradients(pipe, ctx)
+    for j, worker in enumerate(pipe._driver.workers):
+        devices = rpc.rpc_sync(worker, _parameter_devices, args=(pipe._driver.pipe_id, j))
+        assert devices in ([pipe.stages[j].device], []), (j, devices, pipe.stages[j])
+    torch.testing.assert_close(out, out_ref.cpu(), **tolerance)
+    torch.testing.assert_close(x_grad, x_ref.grad.cpu(), **tolerance)
+    expected = {name: p.grad.cpu() for name, p in reference.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, **tolerance, msg=lambda m: f"{name}: {m}")
 
 
 def counts() -> dict[str, int]:

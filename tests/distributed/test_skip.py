@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from rrefpipe import Pipe
-from tests.distributed.test_transparency import check_transparent
+from tests.distributed.probes import check_transparent
 from tests.layers import PopAdd, PopMaybe, StashInput, StashNone, residual_model, skip_model
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,39 +4,12 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from rrefpipe import Pipe
+from tests.distributed.probes import check_transparent, stage_gradients
 from tests.layers import Merge, PopSignFirst, Split, StashSign, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
 BALANCES = {1: [7], 2: [3, 4], 3: [2, 3, 2]}
-
-
-
-def check_transparent(pipe, model, x):
-    reference = twin(model)
-    x_ref = x.detach().clone().requires_grad_()
-    out_ref = reference(x_ref)
-    loss_ref = (out_ref * torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)).sum()
-    loss_ref.backward()
-    with dist_autograd.context() as ctx:
-        out = pipe(x).local_value()
-        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
-        dist_autograd.backward(ctx, [loss])
-        x_grad = dist_autograd.get_gradients(ctx)[x]
-        grads = pipe_grads(pipe, ctx)
-    torch.testing.assert_close(out, out_ref)
-    torch.testing.assert_close(x_grad, x_ref.grad)
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(grads[name], expected[name], msg=lambda m: f"{name}: {m}")
-
-
-def pipe_grads(pipe, ctx):
-    """Each stage parameter's gradient in ``ctx``, keyed by its name in the plain model."""
-    from tests.distributed.probes import stage_gradients
-
-    return stage_gradients(pipe, ctx)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 8])
@@ -87,7 +60,7 @@ def test_output_whose_first_tensor_carries_no_gradient(cluster):
             mask, out = pipe(x).local_value()
             assert mask.dtype == torch.long and not mask.requires_grad and out.requires_grad
             dist_autograd.backward(ctx, [out.pow(2).sum()])
-            grads = pipe_grads(pipe, ctx)
+            grads = stage_gradients(pipe, ctx)
     torch.testing.assert_close(mask, mask_ref)
     torch.testing.assert_close(out, out_ref)
     for name, p in reference.named_parameters():

@@ -12,6 +12,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from rrefpipe import Pipe, memory
+from tests.distributed import probes
 from tests.layers import mlp, skip_model
 from tests.training import blobs, train_side_by_side
 
@@ -23,41 +24,9 @@ GPU = os.environ.get("RREFPIPE_TEST_GPU", "cuda:0")
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _stage_gradients(pipe_id: str, index: int, context_id: int) -> tuple[dict[str, Tensor], list[str]]:
-    """On a stage worker: its parameters' gradients in the context (on the CPU, for the reply to the
-    driver, which has no device map) and the devices its parameters live on."""
-    from rrefpipe.server import _server
-
-    module = _server(pipe_id, index).stage.module
-    grads = dist_autograd.get_gradients(context_id)
-    named = {name: grads[p].cpu() for name, p in module.named_parameters() if p in grads}
-    return named, sorted({str(p.device) for p in module.parameters()})
-
-
 def check_transparent(pipe: Pipe, model: nn.Module, x: Tensor) -> None:
-    """Output, input gradient and every parameter gradient equal those of ``model`` run whole on
-    ``cuda:0``, and each stage's parameters live on the stage's device."""
-    reference = copy.deepcopy(model).to(GPU)
-    x_ref = x.detach().to(GPU).requires_grad_()
-    out_ref = reference(x_ref)
-    weights = torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)
-    (out_ref * weights.to(GPU)).sum().backward()
-    with dist_autograd.context() as ctx:
-        out = pipe(x).local_value()
-        assert out.device.type == "cpu", out.device  # the last stage sends its output to the CPU driver
-        dist_autograd.backward(ctx, [(out * weights).sum()])
-        x_grad = dist_autograd.get_gradients(ctx)[x]
-        grads: dict[str, Tensor] = {}
-        for j, worker in enumerate(pipe._driver.workers):
-            named, devices = rpc.rpc_sync(worker, _stage_gradients, args=(pipe._driver.pipe_id, j, ctx))
-            assert devices in ([pipe.stages[j].device], []), (j, devices, pipe.stages[j])
-            grads.update(named)
-    torch.testing.assert_close(out, out_ref.cpu(), **TOLERANCE)
-    torch.testing.assert_close(x_grad, x_ref.grad.cpu(), **TOLERANCE)
-    expected = {name: p.grad.cpu() for name, p in reference.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, **TOLERANCE, msg=lambda m: f"{name}: {m}")
+    """The pipe against ``model`` run whole on the GPU (``probes.check_transparent``)."""
+    probes.check_transparent(pipe, model, x, device=GPU, **TOLERANCE)
 
 
 def transparency(checkpoint: str) -> None:
