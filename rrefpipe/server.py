@@ -32,6 +32,7 @@ from .skip.layout import SkipRoutes
 from .skip.tracker import SkipKey
 from .stage import Stage, StageInfo, StageOutput, StepMeta
 from .trace import Event
+from .transfer import StageStream, to_device, to_host
 
 __all__: list[str] = []
 
@@ -84,6 +85,15 @@ class _Job:
 
 
 @dataclass
+class _Output:
+    """A last-stage output on its way to the host, for the driver; readable once ``copied()`` returned."""
+
+    value: TensorOrTensors
+    phony: Tensor | None
+    copied: Callable[[], None]
+
+
+@dataclass
 class _Held:
     """A micro-batch's output waiting for the rest of its message to the next stage."""
 
@@ -107,6 +117,7 @@ class StageServer:
         self.pipe_id = pipe_id
         self.spec = spec
         self.stage = Stage(spec.index, module, torch.device(spec.device), rpc.get_worker_info().name)
+        self.stream = StageStream(self.stage.device)
         self.is_last = spec.index == spec.num_stages - 1
         self.workers: list[str] = []
         self.traffic: dict[str, list[int]] = {"activation": [0, 0], "skip": [0, 0]}  # kind -> [tensors, bytes]
@@ -117,7 +128,7 @@ class StageServer:
         self._draining = False
         self._failure: Failure | None = None
         self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (no driver to deliver to)
-        self._outputs: dict[int, tuple[TensorOrTensors, Tensor | None]] = {}  # (value, phony) until all are in
+        self._outputs: dict[int, _Output] = {}  # the last stage's outputs for the driver, until all are in
         self._held: list[_Held] = []  # outputs waiting to fill a message to the next stage
 
     # -- arrivals ----------------------------------------------------------------------------------
@@ -134,7 +145,10 @@ class StageServer:
 
     def receive_batch(self, meta: StepMeta, value: TensorOrTensors, phony: Tensor | None) -> Future[list[Failure]]:
         """The first stage's input for a whole step in one message: split here into micro-batches,
-        saving the driver one message (and its reply, and its gradient) per micro-batch."""
+        saving the driver one message (and its reply, and its gradient) per micro-batch. It goes to the
+        stage's device whole: one copy, not one per micro-batch."""
+        with self.stream.running():
+            value = microbatch.apply(lambda t: to_device(t, self.stage.device), value)
         batches = microbatch.scatter(value, meta.chunks)
         if len(batches) != meta.chunks:
             raise ValueError(f"the input split into {len(batches)} micro-batches, the driver expected {meta.chunks}")
@@ -173,6 +187,7 @@ class StageServer:
         """Record what arrived for micro-batches ``updates``, then drain unless a body already is.
         Returns their jobs, or nothing when the message belongs to an earlier step."""
         count, nbytes = _count(payload)
+        self.stream.arrived()
         with self._lock:
             self.traffic[kind][0] += count
             self.traffic[kind][1] += nbytes
@@ -191,7 +206,8 @@ class StageServer:
             if self._draining:
                 return jobs
             self._draining = True
-        self._drain()
+        with self.stream.running():
+            self._drain()
         return jobs
 
     # -- running -------------------------------------------------------------------------------------
@@ -233,7 +249,8 @@ class StageServer:
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value
         else:
-            self._outputs[job.i] = (microbatch.apply(lambda t: self._outbound(t, None), out.value), out.phony)
+            value, copied = to_host(out.value)  # the driver keeps its tensors on the CPU
+            self._outputs[job.i] = _Output(value, out.phony, copied)
             if len(self._outputs) == job.meta.chunks:
                 sends.append(self._deliver(job))
         _when_all(sends, _first_failure, job.future)
@@ -258,8 +275,7 @@ class StageServer:
         last = held[-1].job
         assert last.meta is not None
         stage = self.spec.index + 1
-        group = [(h.job.i, microbatch.apply(lambda t: self._outbound(t, stage), h.out.value), h.out.phony, h.nones)
-                 for h in held]
+        group = [(h.job.i, self._outbound(h.out.value, stage), h.out.phony, h.nones) for h in held]
         sent = self._send(last, stage, receive, (self.pipe_id, stage, last.meta, group))
         for h in held:
             _when_all(h.skip_sends + [sent], _first_failure, h.job.future)
@@ -273,10 +289,12 @@ class StageServer:
         driver gives it a zero gradient, which reaches them."""
         assert job.meta is not None
         outputs, self._outputs = self._outputs, {}
-        pairs = [outputs[i] for i in range(job.meta.chunks)]  # (value, phony) in micro-batch order
-        values = [value for value, _ in pairs]
-        unreached = [phony for value, phony in pairs
-                     if phony is not None and not microbatch.as_tensors(value)[0].requires_grad]
+        ordered = [outputs[i] for i in range(job.meta.chunks)]
+        for output in ordered:
+            output.copied()
+        values = [output.value for output in ordered]
+        unreached = [output.phony for output in ordered
+                     if output.phony is not None and not microbatch.as_tensors(output.value)[0].requires_grad]
         try:
             gathered = microbatch.gather(values)
             phony = torch.cat(unreached) if unreached else None
@@ -287,12 +305,16 @@ class StageServer:
             return done
         return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony))
 
-    def _outbound(self, t: Tensor, stage: int | None) -> Tensor:
-        """``t`` as sent to stage ``stage`` (None: the driver). TensorPipe sends a CUDA tensor only over
-        a device map, and maps join CUDA devices: what goes to a CPU stage, or to the driver (which keeps
-        its tensors on the CPU and has no maps), goes as a CPU tensor."""
+    def _outbound(self, value: TensorOrTensors, stage: int | None) -> TensorOrTensors:
+        """``value`` as sent to stage ``stage`` (None: the driver), ready to send. TensorPipe sends a CUDA
+        tensor only over a device map, and maps join CUDA devices: what goes to a CPU stage, or to the
+        driver (which keeps its tensors on the CPU and has no maps), goes as a CPU tensor."""
         receiver = "cpu" if stage is None else self.spec.stage_devices[stage]
-        return t.cpu() if receiver == "cpu" else t
+        if receiver != "cpu" or self.stage.device.type == "cpu":
+            return value
+        host, copied = to_host(value)
+        copied()
+        return host
 
     def _send(self, job: _Job, stage: int | None, fn: Any, args: tuple[Any, ...]) -> Future[Status]:
         """An RPC to stage ``stage`` (None: the driver); a failed send names the receiving worker."""
@@ -331,8 +353,9 @@ class StageServer:
             raise LookupError(f"the output of step {step} is gone (this stage is at step {self._step})")
         kept, self._kept = self._kept, {}
         try:
-            gathered = microbatch.gather([kept[i] for i in sorted(kept)])
-            return microbatch.apply(lambda t: self._outbound(t, None), gathered)
+            with self.stream.running():
+                gathered = microbatch.gather([kept[i] for i in sorted(kept)])
+                return self._outbound(gathered, None)
         except Exception as exc:  # to_here() rebuilds the error from type and text: a plain type, naming the stage
             failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
                                       phase="gather")
@@ -464,11 +487,15 @@ def set_training(pipe_id: str, index: int, mode: bool) -> None:
 
 
 def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
-    return {k: v.detach().cpu() for k, v in _server(pipe_id, index).stage.module.state_dict().items()}
+    server = _server(pipe_id, index)
+    with server.stream.running():  # after what the stage queued
+        return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
 
 
 def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> None:
-    _server(pipe_id, index).stage.module.load_state_dict(state)
+    server = _server(pipe_id, index)
+    with server.stream.running():  # before what the stage queues next
+        server.stage.module.load_state_dict(state)
 
 
 def events(pipe_id: str, index: int, clear: bool) -> list[Event]:

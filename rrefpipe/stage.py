@@ -23,6 +23,7 @@ from .skip.layout import SkipRoutes, StageRouter
 from .skip.skippable import skippable_layers
 from .skip.tracker import SkipKey, use_tracker
 from .trace import Recorder
+from .transfer import to_device
 
 __all__ = ["StepMeta", "StageInfo", "StageOutput", "Stage"]
 
@@ -137,7 +138,7 @@ class Stage:
         return result
 
     def _to_device(self, t: Tensor) -> Tensor:
-        return t.to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None]
                 ) -> tuple[Callable[[TensorOrTensors], TensorOrTensors], dict[SkipKey, Tensor | None]]:

@@ -215,6 +215,84 @@ def memory_on_gpu_stages() -> None:
     assert all(a < n for a, n in zip(kept["always"], kept["never"])), kept
 
 
+def host_copies_do_not_wait_for_the_gpu() -> None:
+    """``rrefpipe.transfer``: copies between the GPU and pinned host memory are queued, not waited for
+    (each call returns while the GPU still sleeps in a kernel queued before it) and carry gradients both
+    ways; a stage's stream runs after the arrivals of another stream."""
+    from rrefpipe.transfer import StageStream, to_device, to_host
+
+    device = torch.device(GPU)
+    if device.type == "cpu":  # dry run: nothing to copy, nothing to order
+        host, wait = to_host(torch.ones(3))
+        wait()
+        assert StageStream(device).stream is None and torch.equal(to_device(host, device), torch.ones(3))
+        return
+    stream = torch.cuda.current_stream(device)
+    x = torch.randn(256, 64, device=device, requires_grad=True)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the copy
+    host, wait = to_host(x)
+    assert not stream.query(), "to_host waited for the GPU"
+    wait()
+    assert host.device.type == "cpu" and host.is_pinned()
+    torch.testing.assert_close(host, x.detach().cpu())
+    host.sum().backward()  # the gradient (expanded: overlapping strides) goes back to the GPU the same way
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+    y = torch.randn(256, 64, requires_grad=True)
+    torch.cuda._sleep(200_000_000)
+    on_gpu = to_device(y, device)
+    assert not stream.query(), "to_device waited for the GPU"
+    (on_gpu * 3).sum().backward()
+    torch.testing.assert_close(on_gpu.detach().cpu(), y.detach())
+    torch.testing.assert_close(y.grad, torch.full_like(y, 3.0))
+
+    stage = StageStream(device)
+    arrived = torch.cuda.Stream(device)  # where a body's arrivals become ready
+    t = torch.zeros(1 << 16, device=device)
+    with torch.cuda.stream(arrived):
+        torch.cuda._sleep(200_000_000)
+        t.fill_(1.0)  # "arrives" once the sleep is over
+        stage.arrived()
+    with stage.running():
+        total = t.sum().item()
+    assert total == t.numel(), total
+
+    unordered = torch.cuda.Stream(device)  # the same read without the wait sees the zeros: the check can fail
+    t.zero_()
+    with torch.cuda.stream(arrived):
+        torch.cuda._sleep(200_000_000)
+        t.fill_(1.0)
+    with torch.cuda.stream(unordered):
+        early = t.sum().item()
+    torch.cuda.synchronize(device)
+    assert early == 0, early
+
+
+def cuda_allocated() -> int:
+    """Runs on a stage worker: bytes its tensors hold on the GPU (cuBLAS workspaces included)."""
+    return torch.cuda.memory_allocated() if GPU.startswith("cuda") else 0
+
+
+def stage_memory_is_steady() -> None:
+    """A stage computes on one CUDA stream: its GPU memory stops growing after the first steps. On the
+    streams of TensorPipe's pool it grew by a cuBLAS workspace for every new stream (2 GiB a worker)."""
+    from torch.distributed.optim import DistributedOptimizer
+
+    model = mlp([64, 256, 256, 256, 64])
+    x = torch.randn(64, 64)
+    with Pipe(model, chunks=4, checkpoint="except_last", balance=[3, 4], devices=[GPU, GPU]) as pipe:
+        names = [s.worker for s in pipe.stages]
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.01, momentum=0.9)
+        held = {}
+        for step in range(1, 41):
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().square().mean()])
+                opt.step(ctx)
+            if step in (3, 40):
+                held[step] = [rpc.rpc_sync(n, cuda_allocated) for n in names]
+    assert all(late <= early + (1 << 20) for early, late in zip(held[3], held[40])), held
+
+
 def torchrun_job() -> None:
     """Every rank of ``torchrun --nproc-per-node 4`` runs this: rank 0 drives three GPU stage workers
     whose device maps come from ``torchrun_group(devices=...)``, with a skip from the first stage to

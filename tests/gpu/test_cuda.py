@@ -80,6 +80,14 @@ def test_memory_reports_on_gpu_stages():
     scenario("memory_on_gpu_stages()")
 
 
+def test_host_copies_do_not_wait_for_the_gpu():
+    scenario("host_copies_do_not_wait_for_the_gpu()")
+
+
+def test_stage_memory_is_steady():
+    scenario("stage_memory_is_steady()")
+
+
 def test_torchrun_job_with_gpu_stage_workers():
     """``torchrun`` on one host, stage workers' device maps from ``torchrun_group(devices=...)``."""
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
