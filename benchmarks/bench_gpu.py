@@ -12,10 +12,14 @@ to ``benchmarks/results/gpu.json``.
      CPU (the input goes up to the first stage, the output comes back down), under ``no_grad``.
      ``hop = pipe2 - pipe1`` is one stage-to-stage hop over the device map, framework included.
 
-2. **Training** of 8 x (Linear(h, h) + ReLU), SGD: one process with the model on the GPU (``plain``)
-   against a 2-stage ``Pipe`` on the GPU (``DistributedOptimizer``, loss on the driver), for several
-   chunk counts. With one GPU both stages share it, so this prices the pipeline's overhead (messages,
-   distributed autograd, host round trips), not the speed-up of more GPUs.
+2. **Training** of 8 x (Linear(h, h) + ReLU), SGD, against two baselines in one process with the model
+   on the GPU: ``plain`` (the whole batch, loss on the GPU) and ``plain@mb`` (the same micro-batches
+   as the pipe, one after the other with gradients accumulating, the output gathered and the loss
+   taken on the CPU, as the pipe's driver does). Small micro-batches use a GPU less well: ``plain@mb``
+   over ``plain`` is that price, which any micro-batching pays; the pipe over ``plain@mb`` is
+   rrefpipe's own (messages, processes, distributed autograd, host copies). The pipe has 1 stage (one
+   worker process) or 2 (``DistributedOptimizer``, loss on the driver). With one GPU two stages share
+   it (their kernels take turns), so this prices overhead, not the speed-up of more GPUs.
 """
 from __future__ import annotations
 
@@ -98,13 +102,19 @@ def pipe_hops(names: Sequence[str], device: str, sizes: list[str], warmup: int,
 
 
 def plain_training(device: str, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, warmup: int,
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, chunks: int | None = None) -> dict[str, Any]:
+    """The whole batch with the loss on the device; or, with ``chunks``, the pipe's micro-batches one
+    after the other, gathered to the CPU for the loss, as the pipe's driver takes it."""
     model = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        if chunks is None:
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        else:
+            loss = F.cross_entropy(torch.cat([model(part.to(device)) for part in x.chunk(chunks)]).cpu(), y)
+        loss.backward()
         opt.step()
         if device != "cpu":
             torch.cuda.synchronize(device)
@@ -112,8 +122,9 @@ def plain_training(device: str, model: torch.nn.Sequential, x: torch.Tensor, y: 
     return summary(time_calls(step, warmup, repeats))
 
 
-def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int,
-                  checkpoint: str, warmup: int, repeats: int, timeline: Path | None = None) -> dict[str, Any]:
+def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor,
+                  stages: int, chunks: int, checkpoint: str, warmup: int, repeats: int,
+                  timeline: Path | None = None) -> dict[str, Any]:
     """Median step from the driver; the loss (on the CPU) waits for each forward, and the next step's
     forward queues behind this step's backward and update on the GPU, so steady-state steps are whole."""
     from torch.distributed.optim import DistributedOptimizer
@@ -121,8 +132,9 @@ def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential,
     from rrefpipe import Pipe
 
     half = len(model) // 2
-    with Pipe(copy.deepcopy(model), chunks=chunks, checkpoint=checkpoint, balance=[half, len(model) - half],
-              devices=[device, device], workers=list(names[:2])) as pipe:
+    balance = [len(model)] if stages == 1 else [half, len(model) - half]
+    with Pipe(copy.deepcopy(model), chunks=chunks, checkpoint=checkpoint, balance=balance,
+              devices=[device] * stages, workers=list(names[:stages])) as pipe:
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.01)
 
         def step() -> None:
@@ -135,7 +147,7 @@ def pipe_training(names: Sequence[str], device: str, model: torch.nn.Sequential,
             pipe.execution_record(clear=True)
             for _ in range(3):
                 step()
-            pipe.timeline(timeline.parent / f"{timeline.name}-{checkpoint}-m{chunks}")
+            pipe.timeline(timeline.parent / f"{timeline.name}-{checkpoint}-s{stages}-m{chunks}")
         return stats
 
 
@@ -150,13 +162,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = make_model(args.hidden, args.blocks)
     x, y = torch.randn(args.batch, args.hidden), torch.randint(0, args.hidden, (args.batch,))
     plain = plain_training(args.device, model, x, y, args.warmup, args.repeats)
+    plain_mb = {m: plain_training(args.device, model, x, y, args.warmup, args.repeats, chunks=m) for m in args.chunks}
     devices = [args.device] * 2 if args.device != "cpu" else None
     with LocalWorkers(2, devices=devices, threads=1) as local:
         hops = pipe_hops(local.names, args.device, args.sizes, args.warmup, args.repeats)
-        training = [{"chunks": m, "checkpoint": ck,
-                     "step": pipe_training(local.names, args.device, model, x, y, m, ck, args.warmup, args.repeats,
-                                           args.timeline)}
-                    for ck in args.checkpoints for m in args.chunks]
+        training = [{"stages": n, "chunks": m, "checkpoint": ck, "plain_at_mb": plain_mb[m],
+                     "step": pipe_training(local.names, args.device, model, x, y, n, m, ck, args.warmup,
+                                           args.repeats, args.timeline)}
+                    for ck in args.checkpoints for n in args.stages for m in args.chunks]
     result["hops"] = [{"size": label, "raw": summary(raw[label]), **{k: summary(v) for k, v in hops[label].items()}}
                       for label in args.sizes]
     result["plain"] = plain
@@ -174,14 +187,14 @@ def report(result: dict[str, Any]) -> None:
         r["hop_ms"], r["hop_over_raw"] = p2 - p1, (p2 - p1) / raw
         print(f"{r['size']:>5} {raw:>8.3f} {p1:>8.3f} {p2:>8.3f} {p2 - p1:>8.3f} {(p2 - p1) / raw:>8.2f}")
     plain = result["plain"]["median_ms"]
-    print(f"Training, median step ms (plain, one process on the GPU: {plain:.2f} ms)")
-    print(f"{'checkpoint':>12} {'chunks':>6} {'step':>8} {'/plain':>7} {'per mb':>7}")
+    print(f"Training, median step ms (plain, the whole batch in one process on the GPU: {plain:.2f} ms)")
+    print(f"{'checkpoint':>12} {'stages':>6} {'chunks':>6} {'plain@mb':>8} {'step':>8} {'/plain@mb':>9} {'per mb':>7}")
     for r in result["training"]:
-        step = r["step"]["median_ms"]
-        r["over_plain"] = step / plain
-        print(f"{r['checkpoint']:>12} {r['chunks']:>6} {step:>8.2f} {step / plain:>7.2f} "
-              f"{(step - plain) / r['chunks']:>7.2f}")
-    print("  per mb: (step - plain) / chunks, the pipeline's cost per micro-batch over plain training")
+        step, at_mb = r["step"]["median_ms"], r["plain_at_mb"]["median_ms"]
+        r["over_plain"], r["over_plain_at_mb"] = step / plain, step / at_mb
+        print(f"{r['checkpoint']:>12} {r['stages']:>6} {r['chunks']:>6} {at_mb:>8.2f} {step:>8.2f} {step / at_mb:>9.2f} "
+              f"{(step - at_mb) / r['chunks']:>7.2f}")
+    print("  plain@mb: the same micro-batches in one process; per mb: (step - plain@mb) / chunks, rrefpipe's own cost")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -190,6 +203,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda:0", help="the stages' device ('cpu' dry-runs the benchmark)")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     p.add_argument("--chunks", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--stages", nargs="+", type=int, choices=[1, 2], default=[1, 2])
     p.add_argument("--checkpoints", nargs="+", default=["never", "except_last"])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--blocks", type=int, default=8)
