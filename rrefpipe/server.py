@@ -194,6 +194,7 @@ class StageServer:
             if meta.step < self._step:
                 return []
             if meta.step > self._step:  # a new step: whatever is left of older ones is abandoned
+                self.stream.settle()  # after an optimizer step queued between the two on another stream
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
                 self._kept, self._outputs, self._held = {}, {}, []
@@ -488,12 +489,14 @@ def set_training(pipe_id: str, index: int, mode: bool) -> None:
 
 def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
     server = _server(pipe_id, index)
-    with server.stream.running():  # after what the stage queued
+    server.stream.settle()  # after an optimizer step's writes
+    with server.stream.running():
         return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
 
 
 def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> None:
     server = _server(pipe_id, index)
+    server.stream.settle()  # after an optimizer step's writes
     with server.stream.running():  # before what the stage queues next
         server.stage.module.load_state_dict(state)
 

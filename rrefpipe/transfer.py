@@ -110,6 +110,15 @@ class StageStream:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def settle(self) -> None:
+        """Block until every stream of the device has run what was queued on it. Call before the stage
+        reads its parameters after a ``DistributedOptimizer`` step: that step updates them in an RPC body
+        of its own, on a stream of TensorPipe's pool, and its reply orders nothing on the GPU. (The other
+        way round torch orders it: the step's body waits for the events distributed autograd records
+        where it accumulates the gradients, on the stage's stream.)"""
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
+
     def running(self) -> AbstractContextManager[Any]:
         """The stage's stream as the current one (``with stream.running(): ...``)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()

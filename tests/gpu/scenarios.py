@@ -86,6 +86,71 @@ def training_with_distributed_optimizer() -> None:
         torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-3, atol=1e-4)
 
 
+GPU_SLEEP = 200_000_000  # cycles of torch.cuda._sleep: about 0.1 s of an H100
+
+
+def _sleep_on_the_gpu() -> None:
+    """Queue about 0.1 s of GPU time on the current stream (nothing on the CPU dry run)."""
+    if GPU.startswith("cuda"):
+        torch.cuda._sleep(GPU_SLEEP)
+
+
+class _LateGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        _sleep_on_the_gpu()
+        return grad.clone()
+
+
+class LateGradient(nn.Module):
+    """The identity, whose backward queues GPU sleep first: the gradients of the layers before it are
+    written late, long after the host has moved on."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _LateGradient.apply(x)
+
+
+class SlowSGD(torch.optim.SGD):
+    """Runs on a stage worker (``DistributedOptimizer`` builds it there): SGD whose update is queued
+    behind GPU sleep, so that whatever reads the weights unordered after the step reads them stale."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        _sleep_on_the_gpu()
+        return super().step(closure)
+
+
+def optimizer_steps_are_ordered() -> None:
+    """The step of ``DistributedOptimizer`` runs in an RPC body of its own on each worker. It must use
+    the gradients backward left (written late here), and the stage must read the weights it wrote
+    (written late here too) in the next forward and in ``state_dict``."""
+    from torch.distributed.optim import DistributedOptimizer
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(10, 32), LateGradient(), nn.ReLU(), nn.Linear(32, 32), LateGradient(),
+                          nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model).to(GPU)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with Pipe(model, chunks=2, balance=[3, 4], devices=[GPU, GPU]) as pipe:
+        opt = DistributedOptimizer(SlowSGD, pipe.parameter_rrefs(), lr=0.1)
+        for step, (x, y) in enumerate(blobs(4, 16)):
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [nn.functional.cross_entropy(pipe(x).local_value(), y)])
+                opt.step(ctx)
+            plain_opt.zero_grad()
+            nn.functional.cross_entropy(reference(x.to(GPU)), y.to(GPU)).backward()
+            plain_opt.step()
+            if step % 2 == 0:  # the next forward right after the step, then the state dict
+                with torch.no_grad():
+                    torch.testing.assert_close(pipe(x).local_value(), reference(x.to(GPU)).cpu(), **TOLERANCE)
+            trained = pipe.state_dict()  # on odd steps right after the step
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(trained[key], value.cpu(), **TOLERANCE)
+
+
 def automatic_balance() -> None:
     """balance='time' | 'size' profile on the GPU (CUDA events, memory_allocated) and still give a
     pipe equal to the plain model."""

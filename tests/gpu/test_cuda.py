@@ -52,6 +52,10 @@ def test_training_with_the_distributed_optimizer():
     scenario("training_with_distributed_optimizer()")
 
 
+def test_optimizer_steps_are_ordered_after_backward_and_before_the_next_forward():
+    scenario("optimizer_steps_are_ordered()")
+
+
 def test_automatic_balance_on_the_gpu():
     scenario("automatic_balance()")
 
