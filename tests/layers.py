@@ -82,6 +82,16 @@ class StashInput(nn.Module):
         return x
 
 
+@skippable(stash=["skip"])
+class StashUnlessSentinel(nn.Module):
+    """A user's bug: declares a stash it leaves out on a micro-batch that contains SENTINEL."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        if not bool((x == SENTINEL).any()):
+            yield stash("skip", x * 0.5)
+        return x
+
+
 @skippable(pop=["skip"])
 class PopAdd(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]

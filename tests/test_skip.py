@@ -84,6 +84,34 @@ def test_undeclared_names_and_bad_yields_are_errors():
         skippable()(int)
 
 
+def test_every_declared_name_must_be_stashed_and_popped():
+    """A later layer (on another stage, maybe) waits for a declared stash: one left out is an error at
+    once, in the layer that left it out, as in PyTorch's Pipe."""
+    @skippable(stash=["s"])
+    class ReturnsOnly(nn.Module):  # not even a generator
+        def forward(self, x):
+            return x * 2
+
+    @skippable(stash=["s", "t"])
+    class StashesOne(nn.Module):
+        def forward(self, x):
+            yield stash("s", x)
+            return x
+
+    @skippable(pop=["s"])
+    class NeverPops(nn.Module):
+        def forward(self, x):
+            return x
+            yield  # a generator that pops nothing
+
+    with pytest.raises(RuntimeError, match=r"ReturnsOnly declares stash=\['s'\].*did not stash \['s'\]"):
+        ReturnsOnly()(torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"did not stash \['t'\]"):
+        StashesOne()(torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"NeverPops declares pop=\['s'\].*did not pop \['s'\]"):
+        NeverPops()(torch.zeros(1))
+
+
 def test_routes_send_each_skip_to_its_pop_stage():
     model = skip_model()  # stash@0 (ns1), stash@2 (ns2), pop@4 (ns2), pop@6 (ns1)
     ns1, ns2 = model[0].namespaced("skip"), model[2].namespaced("skip")

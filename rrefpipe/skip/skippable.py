@@ -61,20 +61,34 @@ class Skippable(nn.Module):
         """Run a generator ``forward``: save stashes and answer pops through the current tracker."""
         tracker = current_tracker()
         reply: Tensor | None = None
+        stashed: set[str] = set()
+        popped: set[str] = set()
         while True:
             try:
                 command = gen.send(reply)
             except StopIteration as stop:
+                self._check_all_done(stashed, popped)
                 return stop.value
             reply = None
             if isinstance(command, stash):
                 self._check(command.name, self.stashable_names, "stash")
                 tracker.save(self.namespaced(command.name), command.tensor)
+                stashed.add(command.name)
             elif isinstance(command, pop):
                 self._check(command.name, self.poppable_names, "pop")
                 reply = tracker.load(self.namespaced(command.name))
+                popped.add(command.name)
             else:
                 raise TypeError(f"{type(self).__name__}.forward yielded {command!r}; yield stash(...) or pop(...)")
+
+    def _check_all_done(self, stashed: set[str], popped: set[str]) -> None:
+        """Every declared name must be stashed and popped in each forward: a later layer (on another
+        stage, maybe) waits for the stash, and a pop left behind would pile up."""
+        for verb, declared, done in (("stash", self.stashable_names, stashed), ("pop", self.poppable_names, popped)):
+            missing = declared - done
+            if missing:
+                raise RuntimeError(f"{type(self).__name__} declares {verb}={sorted(declared)} in @skippable, "
+                                   f"but its forward did not {verb} {sorted(missing)}")
 
     def _check(self, name: str, declared: frozenset[str], verb: str) -> None:
         if name not in declared:
@@ -97,7 +111,10 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
 
         def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
-            return self._drive(result) if isinstance(result, Generator) else result
+            if isinstance(result, Generator):
+                return self._drive(result)
+            self._check_all_done(set(), set())
+            return result
 
         namespace = {"forward": forward, "stashable_names": stashable, "poppable_names": poppable,
                      "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}

@@ -5,7 +5,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe, StageError
-from tests.layers import SENTINEL, Boom, ToDict, Transpose
+from tests.layers import SENTINEL, Boom, PopAdd, StashUnlessSentinel, ToDict, Transpose
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,6 +35,21 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_me
             torch.testing.assert_close(pipe(x).local_value(), model(x))
         ran = {e.microbatch for e in pipe.execution_record() if e.stage == 2 and e.step == 0}
         assert ran == {0, 1}
+
+
+def test_a_declared_stash_left_out_fails_its_stage_at_once(cluster):
+    """The popping stage would wait for the skip until the RPC timeout (120 s); the stashing layer
+    raises instead, and the pipe goes on."""
+    model = nn.Sequential(StashUnlessSentinel(), nn.Linear(4, 4), PopAdd())
+    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
+        bad = torch.zeros(4, 4)
+        bad[3] = SENTINEL  # micro-batch 1
+        with torch.no_grad():
+            with pytest.raises(StageError, match=r"stage 0 on worker 'worker1', micro-batch 1 failed in forward: "
+                                                 r"RuntimeError: StashUnlessSentinel declares stash=\['skip'\]"):
+                pipe(bad)
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
 
 
 def test_non_tensor_stage_output_is_a_type_error_naming_the_stage(cluster):
