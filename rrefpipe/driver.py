@@ -122,9 +122,9 @@ class RemoteDriver:
             state.update(part)
         return state
 
-    def load_state_dict(self, parts: list[dict[str, Tensor]]) -> None:
-        for j, part in enumerate(parts):
-            self._call(j, server.load_state_dict, self.pipe_id, j, part)
+    def load_state_dict(self, parts: list[dict[str, Tensor]]) -> list[tuple[list[str], list[str], str]]:
+        """Per stage: missing keys, unexpected keys, error text (``server.load_state_dict``)."""
+        return [self._call(j, server.load_state_dict, self.pipe_id, j, part) for j, part in enumerate(parts)]
 
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
         return self._call_all(server.traffic)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -112,7 +113,10 @@ class Pipe(nn.Module):
             if workers:
                 raise ValueError(f"workers {list(workers)} named, but this RPC group has only this process")
             _check_local_devices(stage_devices)
-            self.partitions = nn.ModuleList(stages)
+            for name, layer in module.named_children():  # so that state dicts, a parent's and DDP's
+                if hasattr(self, name) and name not in self._modules:  # included, keep the plain keys
+                    raise ValueError(f"layer name {name!r} is taken by an attribute of Pipe; rename the layer")
+                self.add_module(name, layer)
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
         else:
@@ -256,31 +260,36 @@ class Pipe(nn.Module):
         return write_timeline(self.execution_record(clear), path_prefix)
 
     # -- state ---------------------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:  # type: ignore[override]
-        """The whole model's state, keyed as in the plain ``nn.Sequential`` (tensors on the CPU)."""
-        if isinstance(self._driver, LocalDriver):
-            return OrderedDict((k, v) for stage in self._driver.stages for k, v in stage.module.state_dict().items())
-        return OrderedDict(self._driver.state_dict())
+    # Keys are the plain nn.Sequential's. In a world of one the layers are this module's children and
+    # nn.Module does everything; stages on workers are saved and loaded through the two hooks below,
+    # which nn.Module's state_dict/load_state_dict call here and in any module that contains this one.
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        if isinstance(self._driver, RemoteDriver):  # CPU copies of the workers' tensors
+            destination.update((prefix + key, value) for key, value in self._driver.state_dict().items())
+        else:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Scatter a plain-module state dict to the stages that own each layer."""
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        if not isinstance(self._driver, RemoteDriver):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            return
         owner = {layer.split(":")[0]: j for j, info in enumerate(self.stages) for layer in info.layers}
         parts: list[dict[str, Tensor]] = [{} for _ in self.stages]
-        unexpected = []
         for key, value in state_dict.items():
-            j = owner.get(key.split(".", 1)[0])
-            if j is None:
-                unexpected.append(key)
-            else:
-                parts[j][key] = value
-        if unexpected and strict:
-            raise KeyError(f"unexpected keys in state_dict (no stage has these layers): {unexpected}")
-        if isinstance(self._driver, LocalDriver):
-            for stage, part in zip(self._driver.stages, parts):
-                stage.module.load_state_dict(part, strict=strict)
-        else:
-            self._driver.load_state_dict(parts)
-        return None
+            if key.startswith(prefix):
+                j = owner.get(key[len(prefix):].split(".", 1)[0])
+                if j is None:
+                    unexpected_keys.append(key)
+                else:
+                    parts[j][key[len(prefix):]] = value
+        for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts)):
+            missing_keys.extend(prefix + key for key in missing)
+            unexpected_keys.extend(prefix + key for key in unexpected)
+            if error:
+                error_msgs.append(f"stage {info.index} on worker {info.worker!r}: {error}")
 
     # -- life cycle ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -304,10 +313,38 @@ class Pipe(nn.Module):
         self.close()
 
     def __len__(self) -> int:
+        """The number of layers, as PyTorch's Pipe counted them."""
         return sum(self.balance)
 
-    def __iter__(self) -> Iterator[StageInfo]:
-        return iter(self.stages)
+    def __getitem__(self, index: int) -> nn.Module:
+        """The layer at ``index`` (negative counts from the end), in a world of one. Stages on workers
+        hold their layers there: ``pipe.stages`` says which worker has which."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's layers live on its stage workers; pipe.stages lists them by stage")
+        layers = [layer for stage in self._driver.stages for layer in stage.module]
+        return layers[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The layers in order (``__getitem__``)."""
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Each stage's device. The driver's own tensors stay on the CPU: pass CPU inputs."""
+        return [torch.device(info.device) for info in self.stages]
+
+    @property
+    def partitions(self) -> nn.ModuleList:
+        """Each stage's ``nn.Sequential`` in a world of one (PyTorch's name for them)."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's stages live on its workers; pipe.stages describes them")
+        return nn.ModuleList(stage.module for stage in self._driver.stages)
+
+    def _refuse_to_move(self, *args: Any, **kwargs: Any) -> Pipe:
+        raise TypeError("a Pipe places each stage on its device itself and cannot be moved: choose the devices "
+                        "with Pipe(..., devices=[...]) or place the layers before wrapping them")
+
+    cuda = cpu = to = _refuse_to_move
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))
@@ -316,7 +353,8 @@ class Pipe(nn.Module):
 def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
     """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied)."""
     if not any(isinstance(m, _BatchNorm) for m in module.modules()):
-        raise ValueError("deferred_batch_norm=True, but the module has no BatchNorm layers to defer")
+        warnings.warn("deferred_batch_norm=True, but the module has no BatchNorm layers to defer", stacklevel=3)
+        return module
     converted = nn.Sequential(OrderedDict(
         (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()
         if child is not None))

@@ -494,11 +494,17 @@ def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
 
 
-def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> None:
+def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> tuple[list[str], list[str], str]:
+    """Load what matches, as ``nn.Module.load_state_dict`` does; returns the missing and unexpected keys
+    and the error (shape mismatches), for the driver to report as one module would."""
     server = _server(pipe_id, index)
     server.stream.settle()  # after an optimizer step's writes
     with server.stream.running():  # before what the stage queues next
-        server.stage.module.load_state_dict(state)
+        try:
+            result = server.stage.module.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # "Error(s) in loading state_dict for Sequential:\n\t<errors>"
+            return [], [], str(exc).split(":\n\t", 1)[-1]
+    return list(result.missing_keys), list(result.unexpected_keys), ""
 
 
 def events(pipe_id: str, index: int, clear: bool) -> list[Event]:

@@ -19,7 +19,6 @@ def test_public_module_paths():
     (nn.Sequential(), {}, ValueError, "Pipe expects a non-empty nn.Sequential"),
     (nn.Sequential(nn.Linear(2, 2)), {"chunks": 0}, ValueError, "chunks must be a positive int, got 0"),
     (nn.Sequential(nn.Linear(2, 2)), {"checkpoint": "x"}, ValueError, "checkpoint must be one of"),
-    (nn.Sequential(nn.Linear(2, 2)), {"deferred_batch_norm": True}, ValueError, "no BatchNorm layers"),
     (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta")), {"balance": [2]}, ValueError,
      "stage 0 has parameters on several devices"),
 ])

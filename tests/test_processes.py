@@ -181,6 +181,58 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
     """)
 
 
+def test_world_size_one_pipe_is_a_module_like_pytorchs():
+    """What code for PyTorch's Pipe does with it in a world of one: index and iterate its layers, read
+    its devices, wrap it in DDP (checkpoint='never') or in a parent module and save and load their state
+    dicts with the plain keys under the parent's prefix; moving it is refused, as there."""
+    run_script("""
+        import copy, os, warnings, pytest, torch, torch.distributed as dist, torch.distributed.rpc as rpc
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from rrefpipe import Pipe
+        from workers import free_port
+        rpc.init_rpc("solo", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+        plain = copy.deepcopy(model)
+        pipe = Pipe(model, chunks=2, balance=[2, 1], checkpoint="never")
+        assert len(pipe) == 3 and pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)
+        assert pipe.devices == [torch.device("cpu")] * 2 and [len(p) for p in pipe.partitions] == [2, 1]
+        assert list(pipe.state_dict()) == list(plain.state_dict())
+        for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu")):
+            with pytest.raises(TypeError, match="cannot be moved"):
+                move()
+
+        class Parent(nn.Module):
+            def __init__(self, pipe):
+                super().__init__()
+                self.head, self.pipe = nn.Linear(6, 6), pipe
+        parent = Parent(pipe)
+        assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
+        new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
+        parent.load_state_dict(new)
+        for k, v in pipe.state_dict().items():
+            torch.testing.assert_close(v, new["pipe." + k])
+        with pytest.raises(RuntimeError, match='Missing key.*"pipe.2.bias"'):
+            parent.load_state_dict({k: v for k, v in new.items() if k != "pipe.2.bias"})
+
+        ddp = DDP(pipe)
+        assert list(ddp.state_dict()) == ["module." + k for k in plain.state_dict()]
+        plain.load_state_dict(pipe.state_dict())
+        x = torch.randn(4, 6)
+        ddp(x).local_value().sum().backward()
+        plain(x).sum().backward()
+        for p, q in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        with pytest.warns(UserWarning, match="no BatchNorm layers"):
+            Pipe(nn.Sequential(nn.Linear(2, 2)), deferred_batch_norm=True)
+        dist.destroy_process_group()
+        rpc.shutdown()
+    """)
+
+
 def test_worker_cli_under_torchrun_environment():
     """Workers started as `python -m workers` with RANK/WORLD_SIZE/MASTER_* set, as torchrun would."""
     port = free_port()

@@ -57,5 +57,36 @@ def test_state_dict_round_trip_and_train_eval_reach_workers(cluster):
         pipe.eval()  # dropout off on the worker: deterministic and equal to the plain model in eval
         with torch.no_grad():
             torch.testing.assert_close(pipe(x).local_value(), model.eval()(x))
-        with pytest.raises(KeyError, match="unexpected keys.*9.weight"):
+        with pytest.raises(RuntimeError, match='Unexpected key.*"9.weight"'):
             pipe.load_state_dict({"9.weight": torch.zeros(1)})
+
+
+def test_state_dicts_of_a_module_holding_a_pipe_reach_the_workers(cluster):
+    """A parent module's state_dict and load_state_dict (nn.Module's own) go through the pipe's stages
+    under the parent's prefix; what does not fit is reported as nn.Module reports it, naming the stage."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    class Parent(torch.nn.Module):
+        def __init__(self, pipe):
+            super().__init__()
+            self.head, self.pipe = torch.nn.Linear(4, 4), pipe
+
+    with Pipe(model, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
+        parent = Parent(pipe)
+        assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in model.state_dict()]
+        new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
+        assert parent.load_state_dict(new) is not None  # nn.Module's _IncompatibleKeys
+        for key, value in pipe.state_dict().items():
+            torch.testing.assert_close(value, new["pipe." + key])
+        x = torch.randn(6, 4)
+        model.load_state_dict({k[len("pipe."):]: v for k, v in new.items() if k.startswith("pipe.")})
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+
+        partial = {k: v for k, v in new.items() if k != "pipe.2.bias"}
+        with pytest.raises(RuntimeError, match='Missing key.*"pipe.2.bias"'):
+            parent.load_state_dict(partial)
+        result = parent.load_state_dict({**partial, "pipe.7.weight": torch.zeros(1)}, strict=False)
+        assert result.missing_keys == ["pipe.2.bias"] and result.unexpected_keys == ["pipe.7.weight"]
+        with pytest.raises(RuntimeError, match="stage 1 on worker 'worker2': .*size mismatch for 2.weight"):
+            pipe.load_state_dict({**model.state_dict(), "2.weight": torch.zeros(3, 3)})
