@@ -128,6 +128,50 @@ def test_worker_stuck_in_a_stage_leaves_when_the_driver_is_killed(tmp_path):
             proc.wait(timeout=10)
 
 
+def test_local_worker_busy_in_a_stage_leaves_when_the_driver_is_killed(tmp_path):
+    """A local worker learns of its driver's death from its stdin pipe; one stuck in a layer's forward
+    (its ping to the driver stuck with it) must still exit."""
+    stuck = tmp_path / "stuck"
+    script = f"""
+        import threading, torch
+        from torch import nn
+        from rrefpipe import Pipe
+
+        class Stuck(nn.Module):
+            def forward(self, x):
+                open({str(stuck)!r}, "w").close()
+                threading.Event().wait()   # never returns
+                return x
+
+        pipe = Pipe(nn.Sequential(nn.Linear(2, 2), Stuck()), balance=[1, 1]).eval()
+        print(*pipe._local_workers.pids, flush=True)
+        threading.Thread(target=pipe, args=(torch.randn(3, 2),), daemon=True).start()
+        threading.Event().wait()   # hold until killed
+    """
+    import textwrap
+
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        deadline = time.monotonic() + 60
+        while not stuck.exists():
+            assert driver.poll() is None, "the driver script failed"
+            assert time.monotonic() < deadline, "the stage never got stuck"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        took = _wait_gone(pids, within=20)
+        print(f"workers gone {took:.2f}s after the driver was killed")
+    finally:
+        driver.kill()
+        driver.wait(timeout=10)
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_dead_worker_is_named_quickly_and_close_returns():
     out = run_script("""
         import os, signal, time, torch, torch.distributed.autograd as dist_autograd

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -40,13 +41,15 @@ def alive() -> bool:
     return True
 
 
-def _watch_stdin() -> None:
+def _watch_stdin(grace: float) -> None:
     try:
         while sys.stdin.buffer.read(4096):
             pass
     except (OSError, ValueError):
         pass
-    _stop.set()  # EOF: the driver process is gone
+    _stop.set()  # EOF: the driver process is gone; the main thread leaves at once, unless it is stuck
+    time.sleep(grace)  # in a ping that a stage body holding the RPC thread keeps from ending
+    os._exit(0)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -115,7 +118,7 @@ def serve(
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
     if watch_stdin:
-        threading.Thread(target=_watch_stdin, name="rrefpipe-stdin-watch", daemon=True).start()
+        threading.Thread(target=_watch_stdin, args=(ping_interval,), name="rrefpipe-stdin-watch", daemon=True).start()
     threading.Thread(target=_watch_store, args=(name, ping_interval), name="rrefpipe-store-watch", daemon=True).start()
     misses = 0
     while not _stop.wait(ping_interval):
