@@ -74,10 +74,12 @@ class Failure:
             pickle.loads(pickle.dumps(exc))
         except Exception:
             original = None
-        return cls(
-            stage, worker, microbatch, phase, type(exc).__name__, str(exc),
-            "".join(traceback.format_exception(exc)), original, transport,
-        )
+        try:
+            message, trace = str(exc), "".join(traceback.format_exception(exc))
+        except Exception as unprintable:  # a __str__ that raises must not cost the report
+            message = f"<{type(exc).__name__} that cannot be printed: {type(unprintable).__name__}>"
+            trace, original = "".join(traceback.format_exception(unprintable)), None
+        return cls(stage, worker, microbatch, phase, type(exc).__name__, message, trace, original, transport)
 
     def to_exception(self) -> StageError:
         kind = WorkerError if self.transport else _with_original_type(StageError, self.error_type)

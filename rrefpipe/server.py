@@ -225,14 +225,22 @@ class StageServer:
                 failure = self._failure
             if failure is not None:
                 job.future.set_result(self._cancelled(job.i, f"micro-batch {failure.microbatch} failed"))
-            else:
+                continue
+            try:
                 self._process(job)
+            except BaseException as exc:  # past the stage's run (sending, say): fail the job, keep draining
+                failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
+                                          phase="forward")
+                with self._lock:
+                    self._failure = failure
+                if not job.future.done():
+                    job.future.set_result(failure)
 
     def _process(self, job: _Job) -> None:
         assert job.meta is not None and job.value is not None
         try:
             out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from a layer too: it fails the step, not the worker
             failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
                                       phase="forward")
             with self._lock:

@@ -165,10 +165,10 @@ class Stage:
                     raise
                 # Raised inside backward, where distributed autograd keeps at most the text (from a
                 # saved-tensor hook, only "python_error"): keep the whole story for the driver to ask.
-                self.backward_failures.append(Failure.capture(
-                    exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
+                failure = Failure.capture(exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute")
+                self.backward_failures.append(failure)
                 raise RuntimeError(f"stage {self.index} on worker {self.worker!r}, micro-batch {i} failed in "
-                                   f"recompute: {type(exc).__name__}: {exc}") from exc
+                                   f"recompute: {failure.error_type}: {failure.message}") from exc
             finally:
                 self.recorder.add("recompute" if again else "forward", step, i, start, time.time())
 

@@ -18,6 +18,25 @@ class Boom(nn.Module):
         return x
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class Misbehaves(nn.Module):
+    """Identity, except on a micro-batch that contains SENTINEL: raises SystemExit, or an exception whose
+    ``str`` raises (``kind``). Neither may cost the stage worker its service."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: Tensor) -> Tensor:
+        if bool((x == SENTINEL).any()):
+            raise SystemExit(3) if self.kind == "exit" else Unprintable()
+        return x
+
+
 class ToDict(nn.Module):
     """Returns a non-tensor: the stage must reject it with a TypeError."""
 

@@ -5,7 +5,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe, StageError
-from tests.layers import SENTINEL, Boom, PopAdd, StashUnlessSentinel, ToDict, Transpose
+from tests.layers import SENTINEL, Boom, Misbehaves, PopAdd, StashUnlessSentinel, ToDict, Transpose
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,6 +35,26 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_me
             torch.testing.assert_close(pipe(x).local_value(), model(x))
         ran = {e.microbatch for e in pipe.execution_record() if e.stage == 2 and e.step == 0}
         assert ran == {0, 1}
+
+
+@pytest.mark.parametrize("kind, reported", [("exit", "SystemExit: 3"),
+                                            ("unprintable", "Unprintable: <Unprintable that cannot be printed")])
+def test_system_exit_and_unprintable_errors_fail_the_step_not_the_worker(cluster, kind, reported):
+    """They had escaped the stage's error handling: its drain never ended, the step waited for the RPC
+    timeout, blamed the stage before, and every later step timed out too."""
+    model = nn.Sequential(nn.Linear(4, 4), Misbehaves(kind), nn.Linear(4, 2))
+    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
+        bad = torch.zeros(4, 4)
+        bad[0] = SENTINEL
+        pipe.load_state_dict({"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "2.weight": torch.ones(2, 4),
+                              "2.bias": torch.zeros(2)})
+        model.load_state_dict(pipe.state_dict())
+        with torch.no_grad():
+            with pytest.raises(StageError, match=f"stage 1 on worker 'worker2', micro-batch 0 failed in forward: "
+                                                 f"{reported}"):
+                pipe(bad)
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
 
 
 def test_a_declared_stash_left_out_fails_its_stage_at_once(cluster):
