@@ -83,6 +83,7 @@ class RemoteDriver:
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._warned_no_context = False
+        self._closed = False
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -100,6 +101,7 @@ class RemoteDriver:
     # -- control calls ---------------------------------------------------------------------------
     def _call(self, index: int, fn: Any, *args: Any) -> Any:
         """A synchronous control RPC to stage ``index``; failures name the stage and worker."""
+        self._check_open()
         worker = self.workers[index]
         try:
             return rpc.rpc_sync(worker, fn, args=args, timeout=self.rpc_timeout)
@@ -107,7 +109,12 @@ class RemoteDriver:
             raise Failure.capture(exc, stage=index, worker=worker, microbatch=None, phase=fn.__name__,
                                   transport=_is_transport_error(exc)).to_exception() from exc
 
+    def _check_open(self) -> None:
+        if self._closed:  # its stages are gone: a state dict would come back empty, a forward fail obscurely
+            raise RuntimeError("this Pipe is closed: its stages were dropped from their workers; build a new Pipe")
+
     def _call_all(self, fn: Any, *args: Any) -> list[Any]:
+        self._check_open()
         return [self._call(j, fn, self.pipe_id, j, *args) for j in range(len(self.infos))]
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
@@ -124,6 +131,7 @@ class RemoteDriver:
 
     def load_state_dict(self, parts: list[dict[str, Tensor]]) -> list[tuple[list[str], list[str], str]]:
         """Per stage: missing keys, unexpected keys, error text (``server.load_state_dict``)."""
+        self._check_open()
         return [self._call(j, server.load_state_dict, self.pipe_id, j, part) for j, part in enumerate(parts)]
 
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
@@ -133,6 +141,7 @@ class RemoteDriver:
         return [e for part in self._call_all(server.events, clear) for e in part]
 
     def close(self) -> None:
+        self._closed = True
         for j, worker in enumerate(self.workers[:len(self.infos)]):
             try:
                 rpc.rpc_sync(worker, server.destroy_stage, args=(self.pipe_id, j), timeout=5)
@@ -142,6 +151,7 @@ class RemoteDriver:
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+        self._check_open()
         batches = microbatch.scatter(value, self.chunks)
         for t in microbatch.as_tensors(value):
             if t.device.type != "cpu":
@@ -178,6 +188,7 @@ class RemoteDriver:
 
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
+        self._check_open()
         try:
             dist_autograd.backward(context_id, losses)
         except RuntimeError as exc:
@@ -256,5 +267,5 @@ def _first_cause(failures: list[Failure]) -> StageError:
 
 def _is_transport_error(exc: BaseException) -> bool:
     text = str(exc)
-    return any(s in text for s in ("eof", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
+    return any(s in text for s in ("eof", "EOF", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
                                     "Connection reset", "Broken pipe", "closed"))

@@ -189,12 +189,16 @@ def test_dead_worker_is_named_quickly_and_close_returns():
             print(f"error={exc}")
             print(f"where={exc.stage},{exc.worker}")
         print(f"surfaced={time.monotonic() - t:.3f}")
+        try:
+            pipe.state_dict()   # a control call to the dead worker: also a WorkerError
+        except WorkerError as exc:
+            print(f"control={exc.stage},{exc.worker}")
         t = time.monotonic()
         pipe.close()
         print(f"closed={time.monotonic() - t:.3f}")
     """).stdout
     print(out)
-    assert _values(out, "where") == ["1,worker2"]
+    assert _values(out, "where") == ["1,worker2"] and _values(out, "control") == ["1,worker2"]
     assert float(_values(out, "surfaced")[0]) < 5
     assert float(_values(out, "closed")[0]) < 15
 

@@ -56,3 +56,15 @@ def test_local_workers_environment_defaults(cluster):
     for name in cluster.names:
         assert rpc.rpc_sync(name, environment, args=(list(expected),)) == expected
         assert rpc.rpc_sync(name, interop_threads) == STAGE_INTEROP_THREADS  # where backward runs
+
+
+def test_a_closed_pipe_says_so(cluster):
+    """Its stages are gone from the workers: a state dict must not come back empty, nor a forward fail
+    obscurely."""
+    pipe = Pipe(mlp([6, 8, 3]), chunks=2, balance=[2, 1], workers=cluster.names[:2])
+    pipe.close()
+    pipe.close()  # twice is fine
+    for call in (lambda: pipe(torch.randn(4, 6)), pipe.state_dict, pipe.parameter_rrefs, pipe.eval,
+                 lambda: pipe.backward(0, torch.zeros(())), lambda: pipe.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="this Pipe is closed"):
+            call()
