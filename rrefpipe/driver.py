@@ -10,6 +10,7 @@ import itertools
 import re
 import threading
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +85,7 @@ class RemoteDriver:
         self._lock = threading.Lock()
         self._warned_no_context = False
         self._closed = False
+        self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -176,6 +178,10 @@ class RemoteDriver:
             _collectors[(self.pipe_id, step)] = collector
             try:
                 self._run(meta, value, collector)
+            except BaseException:
+                if grad_enabled:  # its sends stay in the context, and backward would wait for them
+                    self._failed_contexts.append(_rpc.current_context_id())
+                raise
             finally:
                 del _collectors[(self.pipe_id, step)]
         if self.remote_output:
@@ -189,6 +195,10 @@ class RemoteDriver:
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
         self._check_open()
+        if context_id in self._failed_contexts:
+            raise RuntimeError(f"a forward of this pipe failed in autograd context {context_id}: distributed "
+                               "autograd would wait for the sends of that forward until the RPC timeout. Run the "
+                               "step again in a new dist_autograd.context()")
         try:
             dist_autograd.backward(context_id, losses)
         except RuntimeError as exc:

@@ -57,6 +57,29 @@ def test_system_exit_and_unprintable_errors_fail_the_step_not_the_worker(cluster
             torch.testing.assert_close(pipe(x).local_value(), model(x))
 
 
+def test_backward_in_a_context_whose_forward_failed_is_refused_at_once(cluster):
+    """The failed forward's sends stay in the context and distributed autograd would wait for them until
+    the RPC timeout, then fail with a bare error; pipe.backward says so at once, and a new context works."""
+    model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 2))
+    with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
+        bad = torch.zeros(4, 4)
+        bad[0] = SENTINEL
+        pipe.load_state_dict({"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "2.weight": torch.ones(2, 4),
+                              "2.bias": torch.zeros(2)})
+        model.load_state_dict(pipe.state_dict())
+        x = torch.randn(4, 4)
+        with dist_autograd.context() as ctx:
+            with pytest.raises(StageError):
+                pipe(bad)
+            out = pipe(x).local_value()
+            with pytest.raises(RuntimeError, match=f"a forward of this pipe failed in autograd context {ctx}"):
+                pipe.backward(ctx, out.sum())
+        with dist_autograd.context() as ctx:
+            out = pipe(x).local_value()
+            torch.testing.assert_close(out, model(x))
+            pipe.backward(ctx, out.sum())  # at once, as in any step
+
+
 def test_a_declared_stash_left_out_fails_its_stage_at_once(cluster):
     """The popping stage would wait for the skip until the RPC timeout (120 s); the stashing layer
     raises instead, and the pipe goes on."""
