@@ -43,7 +43,6 @@ CONSTRUCTION = [
      ValueError, "device cuda:7 does not exist"),
     ("invalid device", lambda w: Pipe(lin(2), balance=[1, 1], devices=["cpu", "gpu0"], workers=w[:2]),
      ValueError, "invalid device 'gpu0'"),
-    ("deferred BN without BN", lambda w: Pipe(lin(2), deferred_batch_norm=True), ValueError, "no BatchNorm layers"),
 ]
 
 FORWARD = [
