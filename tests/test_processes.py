@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,23 @@ def _wait_gone(pids: list[int], within: float) -> float:
 
 def _values(out: str, key: str) -> list[str]:
     return [line.split("=", 1)[1] for line in out.splitlines() if line.startswith(key + "=")]
+
+
+def _wait_until_stuck(marker: Path, driver: subprocess.Popen[str]) -> None:
+    """Until a stage wrote ``marker`` (it is about to block for good); fails if the driver dies first."""
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert driver.poll() is None, "the driver script failed"
+        assert time.monotonic() < deadline, "the stage never got stuck"
+        time.sleep(0.05)
+
+
+def _kill_driver(driver: subprocess.Popen[str], pids: list[int], within: float) -> None:
+    """SIGKILL the driver; every worker in ``pids`` must be gone ``within`` seconds."""
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=10)
+    took = _wait_gone(pids, within=within)
+    print(f"workers gone {took:.2f}s after the driver was killed")
 
 
 def test_embedded_workers_start_stop_and_restart_in_one_process():
@@ -72,10 +90,7 @@ def test_workers_exit_when_the_driver_is_killed():
         line = driver.stdout.readline()
         pids = [int(p) for p in line.split("=", 1)[1].split()]
         assert all(pid_alive(p) for p in pids)
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(timeout=10)
-        took = _wait_gone(pids, within=10)
-        print(f"workers gone {took:.2f}s after the driver was killed")
+        _kill_driver(driver, pids, within=10)
     finally:
         driver.kill()
 
@@ -112,16 +127,9 @@ def test_worker_stuck_in_a_stage_leaves_when_the_driver_is_killed(tmp_path):
                                 stderr=subprocess.DEVNULL) for rank in (1, 2)]
     driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while not stuck.exists():  # the second worker's RPC thread is now stuck for good
-            assert driver.poll() is None, "the driver script failed"
-            assert time.monotonic() < deadline, "the stage never got stuck"
-            time.sleep(0.05)
+        _wait_until_stuck(stuck, driver)  # the second worker's RPC thread is now stuck for good
         assert all(w.poll() is None for w in workers)
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(timeout=10)
-        took = _wait_gone([w.pid for w in workers], within=20)
-        print(f"workers gone {took:.2f}s after the driver was killed")
+        _kill_driver(driver, [w.pid for w in workers], within=20)
     finally:
         for proc in (driver, *workers):
             proc.kill()
@@ -155,15 +163,8 @@ def test_local_worker_busy_in_a_stage_leaves_when_the_driver_is_killed(tmp_path)
     pids: list[int] = []
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
-        deadline = time.monotonic() + 60
-        while not stuck.exists():
-            assert driver.poll() is None, "the driver script failed"
-            assert time.monotonic() < deadline, "the stage never got stuck"
-            time.sleep(0.05)
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(timeout=10)
-        took = _wait_gone(pids, within=20)
-        print(f"workers gone {took:.2f}s after the driver was killed")
+        _wait_until_stuck(stuck, driver)
+        _kill_driver(driver, pids, within=20)
     finally:
         driver.kill()
         driver.wait(timeout=10)

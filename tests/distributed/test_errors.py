@@ -37,6 +37,26 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_me
         assert ran == {0, 1}
 
 
+def _fails_then_works(pipe: Pipe, model: nn.Module, bad: torch.Tensor, match: str) -> None:
+    """``bad`` fails with a StageError matching ``match``; the same pipe then gives the plain output."""
+    with torch.no_grad():
+        with pytest.raises(StageError, match=match):
+            pipe(bad)
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(pipe(x).local_value(), model(x))
+
+
+def _pass_through_first_layer(pipe: Pipe, model: nn.Module) -> torch.Tensor:
+    """Give both a first Linear(4, 4) that passes its input on, and return a batch whose micro-batch 0
+    holds SENTINEL: it reaches the second layer as it is."""
+    state = {"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "2.weight": torch.ones(2, 4), "2.bias": torch.zeros(2)}
+    pipe.load_state_dict(state)
+    model.load_state_dict(state)
+    bad = torch.zeros(4, 4)
+    bad[0] = SENTINEL
+    return bad
+
+
 @pytest.mark.parametrize("kind, reported", [("exit", "SystemExit: 3"),
                                             ("unprintable", "Unprintable: <Unprintable that cannot be printed")])
 def test_system_exit_and_unprintable_errors_fail_the_step_not_the_worker(cluster, kind, reported):
@@ -44,17 +64,8 @@ def test_system_exit_and_unprintable_errors_fail_the_step_not_the_worker(cluster
     timeout, blamed the stage before, and every later step timed out too."""
     model = nn.Sequential(nn.Linear(4, 4), Misbehaves(kind), nn.Linear(4, 2))
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
-        bad = torch.zeros(4, 4)
-        bad[0] = SENTINEL
-        pipe.load_state_dict({"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "2.weight": torch.ones(2, 4),
-                              "2.bias": torch.zeros(2)})
-        model.load_state_dict(pipe.state_dict())
-        with torch.no_grad():
-            with pytest.raises(StageError, match=f"stage 1 on worker 'worker2', micro-batch 0 failed in forward: "
-                                                 f"{reported}"):
-                pipe(bad)
-            x = torch.randn(4, 4)
-            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        _fails_then_works(pipe, model, _pass_through_first_layer(pipe, model),
+                          f"stage 1 on worker 'worker2', micro-batch 0 failed in forward: {reported}")
 
 
 def test_backward_in_a_context_whose_forward_failed_is_refused_at_once(cluster):
@@ -62,11 +73,7 @@ def test_backward_in_a_context_whose_forward_failed_is_refused_at_once(cluster):
     the RPC timeout, then fail with a bare error; pipe.backward says so at once, and a new context works."""
     model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 2))
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
-        bad = torch.zeros(4, 4)
-        bad[0] = SENTINEL
-        pipe.load_state_dict({"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "2.weight": torch.ones(2, 4),
-                              "2.bias": torch.zeros(2)})
-        model.load_state_dict(pipe.state_dict())
+        bad = _pass_through_first_layer(pipe, model)
         x = torch.randn(4, 4)
         with dist_autograd.context() as ctx:
             with pytest.raises(StageError):
@@ -87,12 +94,8 @@ def test_a_declared_stash_left_out_fails_its_stage_at_once(cluster):
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
         bad = torch.zeros(4, 4)
         bad[3] = SENTINEL  # micro-batch 1
-        with torch.no_grad():
-            with pytest.raises(StageError, match=r"stage 0 on worker 'worker1', micro-batch 1 failed in forward: "
-                                                 r"RuntimeError: StashUnlessSentinel declares stash=\['skip'\]"):
-                pipe(bad)
-            x = torch.randn(4, 4)
-            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        _fails_then_works(pipe, model, bad, r"stage 0 on worker 'worker1', micro-batch 1 failed in forward: "
+                                            r"RuntimeError: StashUnlessSentinel declares stash=\['skip'\]")
 
 
 def test_non_tensor_stage_output_is_a_type_error_naming_the_stage(cluster):
