@@ -316,17 +316,16 @@ class Pipe(nn.Module):
         """The number of layers, as PyTorch's Pipe counted them."""
         return sum(self.balance)
 
-    def __getitem__(self, index: int) -> nn.Module:
-        """The layer at ``index`` (negative counts from the end), in a world of one. Stages on workers
-        hold their layers there: ``pipe.stages`` says which worker has which."""
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The layers in order, in a world of one, where they are this module's children. Stages on
+        workers hold their layers there: ``pipe.stages`` says which worker has which."""
         if isinstance(self._driver, RemoteDriver):
             raise TypeError("this Pipe's layers live on its stage workers; pipe.stages lists them by stage")
-        layers = [layer for stage in self._driver.stages for layer in stage.module]
-        return layers[index]
+        return iter(self._modules.values())  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator[nn.Module]:
-        """The layers in order (``__getitem__``)."""
-        return (self[i] for i in range(len(self)))
+    def __getitem__(self, index: int) -> nn.Module:
+        """The layer at ``index`` (negative counts from the end), as ``__iter__`` gives them."""
+        return list(self)[index]
 
     @property
     def devices(self) -> list[torch.device]:

@@ -229,22 +229,24 @@ class StageServer:
             try:
                 self._process(job)
             except BaseException as exc:  # past the stage's run (sending, say): fail the job, keep draining
-                failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
-                                          phase="forward")
-                with self._lock:
-                    self._failure = failure
+                failure = self._fail(job, exc)
                 if not job.future.done():
                     job.future.set_result(failure)
+
+    def _fail(self, job: _Job, exc: BaseException) -> Failure:
+        """Record ``exc`` as the step's failure, at ``job``'s micro-batch: the later ones are cancelled."""
+        failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
+                                  phase="forward")
+        with self._lock:
+            self._failure = failure
+        return failure
 
     def _process(self, job: _Job) -> None:
         assert job.meta is not None and job.value is not None
         try:
             out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips)
         except BaseException as exc:  # SystemExit from a layer too: it fails the step, not the worker
-            failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
-                                      phase="forward")
-            with self._lock:
-                self._failure = failure
+            failure = self._fail(job, exc)
             self._push()  # the micro-batches before it go on, as they would have one by one
             job.future.set_result(failure)
             return

@@ -64,6 +64,14 @@ class Merge(nn.Module):
         return torch.cat([a * b, a + b], dim=1)
 
 
+class Parent(nn.Module):
+    """Holds a pipe beside a layer of its own, so that state dicts nest: keys ``head.*`` and ``pipe.*``."""
+
+    def __init__(self, pipe: nn.Module, width: int) -> None:
+        super().__init__()
+        self.head, self.pipe = nn.Linear(width, width), pipe
+
+
 def mlp(widths: list[int], seed: int = 0) -> nn.Sequential:
     """Linear+Tanh layers: every other child has parameters."""
     torch.manual_seed(seed)

@@ -239,6 +239,7 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
         from torch import nn
         from torch.nn.parallel import DistributedDataParallel as DDP
         from rrefpipe import Pipe
+        from tests.layers import Parent
         from workers import free_port
         rpc.init_rpc("solo", rank=0, world_size=1,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
@@ -253,12 +254,7 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
         for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu")):
             with pytest.raises(TypeError, match="cannot be moved"):
                 move()
-
-        class Parent(nn.Module):
-            def __init__(self, pipe):
-                super().__init__()
-                self.head, self.pipe = nn.Linear(6, 6), pipe
-        parent = Parent(pipe)
+        parent = Parent(pipe, width=6)
         assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
         new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
         parent.load_state_dict(new)

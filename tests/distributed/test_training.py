@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
-from tests.layers import mlp, twin
+from tests.layers import Parent, mlp, twin
 from tests.training import blobs, train_side_by_side
 
 pytestmark = pytest.mark.timeout(180)
@@ -66,13 +66,8 @@ def test_state_dicts_of_a_module_holding_a_pipe_reach_the_workers(cluster):
     under the parent's prefix; what does not fit is reported as nn.Module reports it, naming the stage."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
 
-    class Parent(torch.nn.Module):
-        def __init__(self, pipe):
-            super().__init__()
-            self.head, self.pipe = torch.nn.Linear(4, 4), pipe
-
     with Pipe(model, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
-        parent = Parent(pipe)
+        parent = Parent(pipe, width=4)
         assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in model.state_dict()]
         new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
         assert parent.load_state_dict(new) is not None  # nn.Module's _IncompatibleKeys
