@@ -206,11 +206,21 @@ class RemoteDriver:
 
     def _explain(self, exc: BaseException, phase: str) -> BaseException:
         """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
-        StageError naming the stage; probe the stage workers when the text names none."""
+        StageError naming the stage.
+
+        A transport error names the node that *saw* a peer vanish (the stage sending a gradient to a
+        dead worker), so the stage workers are probed first and a dead one is named instead."""
         text = str(exc)
         matches = list(_NODE.finditer(text))
         names = _rpc.worker_names()
         message = text[matches[-1].end():] if matches else text
+        if not matches or _is_transport_error(message):
+            for j, worker in enumerate(self.workers):
+                try:
+                    rpc.rpc_sync(worker, server._noop, timeout=2)
+                except Exception:
+                    return Failure(j, worker, None, phase, "WorkerError", f"the worker is unreachable ({message})",
+                                   text, transport=True).to_exception()
         for match in reversed(matches):
             node = int(match.group(1))
             if node < len(names) and names[node] in self.workers:
@@ -225,13 +235,8 @@ class RemoteDriver:
                 if where:
                     return Failure(j, names[node], int(where["i"]) if where["i"] else None, where["phase"],
                                    where["type"], where["message"], text).to_exception()
-                return Failure(j, names[node], None, phase, "Error", message, text).to_exception()
-        for j, worker in enumerate(self.workers):
-            try:
-                rpc.rpc_sync(worker, server._noop, timeout=2)
-            except Exception:
-                return Failure(j, worker, None, phase, "WorkerError", f"the worker is unreachable ({message})", text,
-                               transport=True).to_exception()
+                return Failure(j, names[node], None, phase, "Error", message, text,
+                               transport=_is_transport_error(message)).to_exception()
         return exc
 
     def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:

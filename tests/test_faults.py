@@ -53,6 +53,37 @@ def test_worker_killed_during_a_step(phase, layer):
     assert float(v["surfaced"]) < 10 and float(v["closed"]) < 15
 
 
+def test_worker_killed_between_forward_and_backward_is_named_not_its_neighbour():
+    """The stage after the dead one is the node that reports the refused gradient send: the
+    driver probes the workers and names the dead one."""
+    v = _run("worker killed between forward and backward", """
+        import os, signal
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2,
+                    balance=[1, 1, 1], rpc_timeout=30)
+        try:
+            with dist_autograd.context() as ctx:
+                loss = pipe(torch.randn(4, 4)).local_value().sum()
+                os.kill(pipe._local_workers.pids[1], signal.SIGKILL)   # worker2 holds stage 1
+                pipe._local_workers._procs[1].wait(timeout=10)            # gone before backward starts
+                t = time.monotonic()
+                pipe.backward(ctx, loss)
+        except StageError as exc:
+            report(kind=type(exc).__name__, stage=exc.stage, worker=exc.worker, phase=exc.phase,
+                   surfaced=time.monotonic() - t)
+        # Which report reaches the driver first is a race (its own connection, or stage 2's refused
+        # send): explain stage 2's report as it reads when stage 2 is first.
+        from rrefpipe import _rpc
+        node = _rpc.worker_names().index("worker3")
+        exc = pipe._driver._explain(RuntimeError(f"Error on Node {node}: ECONNREFUSED: connection refused"),
+                                    "backward")
+        report(neighbour=f"{type(exc).__name__},{exc.stage},{exc.worker}")
+        pipe.close()
+    """)
+    assert (v["kind"], v["stage"], v["worker"], v["phase"]) == ("WorkerError", "1", "worker2", "backward")
+    assert v["neighbour"] == "WorkerError,1,worker2"
+    assert float(v["surfaced"]) < 10
+
+
 @pytest.mark.parametrize("layer, checkpoint, expected", [
     ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
     ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
