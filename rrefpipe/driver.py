@@ -280,7 +280,7 @@ def _first_cause(failures: list[Failure]) -> StageError:
     return min(real, key=lambda f: (f.transport, f.microbatch or 0)).to_exception()
 
 
-def _is_transport_error(exc: BaseException) -> bool:
+def _is_transport_error(exc: BaseException | str) -> bool:
     text = str(exc)
     return any(s in text for s in ("eof", "EOF", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
                                     "Connection reset", "Broken pipe", "closed"))

@@ -67,9 +67,10 @@ def test_embedded_workers_start_stop_and_restart_in_one_process():
             print("gone=" + str(not any(pid_alive(p) for p in pids)))
         pipe = Pipe(model, chunks=2, balance=[1, 2])  # never closed: stopped at interpreter exit
         print("pids=" + " ".join(map(str, pipe._local_workers.pids)))
-    """).stdout
-    assert _values(out, "gone") == ["True", "True"]
-    _wait_gone([int(p) for p in _values(out, "pids")[0].split()], within=5)
+    """)
+    assert "as a ProcessGroup" not in out.stderr  # torch's internal deprecation, silenced in every process
+    assert _values(out.stdout, "gone") == ["True", "True"]
+    _wait_gone([int(p) for p in _values(out.stdout, "pids")[0].split()], within=5)
 
 
 def test_workers_exit_when_the_driver_is_killed():

@@ -27,7 +27,8 @@ import torch.distributed.rpc as rpc
 
 from .network import configure_interface
 from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS,
-                      STAGE_RPC_THREADS, DeviceMap, backend_options, device_name, maps_to_later_workers)
+                      STAGE_RPC_THREADS, DeviceMap, backend_options, device_name, init_rpc,
+                      maps_to_later_workers)
 from .serve import serve, stop_workers
 
 __all__ = ["GroupEnv", "torchrun_group", "stage_devices"]
@@ -153,7 +154,7 @@ def torchrun_group(
         serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=DRIVER,
               threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout)
         raise SystemExit(0)  # not reached: serve leaves the process
-    rpc.init_rpc(DRIVER, rank=0, world_size=group.world_size, rpc_backend_options=options)
+    init_rpc(DRIVER, rank=0, world_size=group.world_size, options=options)
     rpc._set_rpc_timeout(rpc_timeout)
     try:
         yield group.stage_workers

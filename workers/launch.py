@@ -18,7 +18,8 @@ from types import TracebackType
 
 import torch.distributed.rpc as rpc
 
-from .options import DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, maps_to_later_workers
+from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, init_rpc,
+                      maps_to_later_workers)
 
 __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running"]
 
@@ -112,7 +113,7 @@ class LocalWorkers:
             _rpc.prepare_reinit()
             options = backend_options(rpc_timeout=self.startup_timeout, init_method=init_method,
                                       transports=self.transports)
-            rpc.init_rpc(self.driver_name, rank=0, world_size=world, rpc_backend_options=options)
+            init_rpc(self.driver_name, rank=0, world_size=world, options=options)
             rpc._set_rpc_timeout(self.rpc_timeout)
         except BaseException as exc:
             dead = {name: p.returncode for name, p in zip(self.names, self._procs) if p.poll() is not None}

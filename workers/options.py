@@ -1,13 +1,15 @@
 """TensorPipe backend options, built in one place for the driver and every stage worker."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 
 __all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_INTEROP_THREADS",
-           "STAGE_RPC_THREADS", "backend_options", "device_name", "maps_to_later_workers", "parse_device_map"]
+           "STAGE_RPC_THREADS", "backend_options", "device_name", "init_rpc", "maps_to_later_workers",
+           "parse_device_map"]
 
 #: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
 DEFAULT_RPC_TIMEOUT = 120.0
@@ -98,3 +100,13 @@ def parse_device_map(entries: Sequence[str]) -> dict[str, dict[str, str]]:
             raise ValueError(f"device map entry must look like PEER=SRC>DST (e.g. worker2=cuda:0>cuda:1), got {entry!r}")
         maps.setdefault(peer, {})[src] = dst
     return maps
+
+
+def init_rpc(name: str, *, rank: int, world_size: int, options: rpc.TensorPipeRpcBackendOptions) -> None:
+    """``rpc.init_rpc``, without the deprecation warning torch prints in every process about its own
+    internal use of a gloo group ("You are using a Backend ... as a ProcessGroup"): nothing a user of
+    rrefpipe could act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup",
+                                category=UserWarning)
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

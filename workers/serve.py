@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed.rpc as rpc
 
-from .options import STAGE_INTEROP_THREADS
+from .options import STAGE_INTEROP_THREADS, init_rpc
 
 __all__ = ["serve", "request_stop", "alive", "stop_workers"]
 
@@ -114,7 +114,7 @@ def serve(
     from rrefpipe.checkpoint import warm_up
 
     warm_up()
-    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    init_rpc(name, rank=rank, world_size=world_size, options=options)
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
     if watch_stdin:
