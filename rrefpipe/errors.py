@@ -1,8 +1,9 @@
 """Errors that name where they happened: stage, worker, micro-batch and the original exception.
 
 TensorPipe keeps only ``ValueError``/``TypeError`` across an RPC and names no worker, so stage code
-never lets an exception cross the wire: it captures a :class:`Failure` (a plain value) and the driver
-turns it back into a :class:`StageError` chained to the original exception.
+never lets an exception cross the wire: it captures a :class:`Failure` (a plain value, the original
+exception in it as pickled bytes, so a class the driver cannot import costs the chaining and not the
+report) and the driver turns it back into a :class:`StageError` chained to the original exception.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class Failure:
     error_type: str
     message: str
     remote_traceback: str
-    original: BaseException | None = None
+    original: bytes | None = None  # the pickled exception: unpickled on the driver only when it can be
     transport: bool = False
     cancelled: bool = False
 
@@ -69,9 +70,10 @@ class Failure:
         cls, exc: BaseException, *, stage: int, worker: str, microbatch: int | None, phase: str,
         transport: bool = False,
     ) -> Failure:
-        original: BaseException | None = exc
+        original: bytes | None
         try:
-            pickle.loads(pickle.dumps(exc))
+            original = pickle.dumps(exc)
+            pickle.loads(original)
         except Exception:
             original = None
         try:
@@ -81,13 +83,24 @@ class Failure:
             trace, original = "".join(traceback.format_exception(unprintable)), None
         return cls(stage, worker, microbatch, phase, type(exc).__name__, message, trace, original, transport)
 
+    def original_exception(self) -> BaseException | None:
+        """The original exception, where this process can unpickle it: its class may live in a module
+        only the worker imports (then the type name and message still tell the cause)."""
+        if self.original is None:
+            return None
+        try:
+            exc = pickle.loads(self.original)
+        except Exception:
+            return None
+        return exc if isinstance(exc, BaseException) else None
+
     def to_exception(self) -> StageError:
         kind = WorkerError if self.transport else _with_original_type(StageError, self.error_type)
         error = kind(
             self.stage, self.worker, self.microbatch, self.phase, self.error_type, self.message,
             self.remote_traceback,
         )
-        error.__cause__ = self.original
+        error.__cause__ = self.original_exception()
         return error
 
 

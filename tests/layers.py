@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+import types
 
 import torch
 from torch import Tensor, nn
@@ -23,9 +25,20 @@ class Unprintable(Exception):
         raise RuntimeError("no text for you")
 
 
+def _worker_only_error() -> type[Exception]:
+    """An exception class in a module that exists only in the process that calls this (a stage worker
+    here): it pickles there and cannot be unpickled by the driver."""
+    module = sys.modules.setdefault("worker_only_errors", types.ModuleType("worker_only_errors"))
+    if not hasattr(module, "OnlyOnTheWorker"):
+        setattr(module, "OnlyOnTheWorker", type("OnlyOnTheWorker", (Exception,), {"__module__": module.__name__}))
+    error: type[Exception] = getattr(module, "OnlyOnTheWorker")
+    return error
+
+
 class Misbehaves(nn.Module):
-    """Identity, except on a micro-batch that contains SENTINEL: raises SystemExit, or an exception whose
-    ``str`` raises (``kind``). Neither may cost the stage worker its service."""
+    """Identity, except on a micro-batch that contains SENTINEL: raises SystemExit, an exception whose
+    ``str`` raises, or one whose class the driver cannot import (``kind``). None may cost the stage
+    worker its service or the report its cause."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -33,7 +46,11 @@ class Misbehaves(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if bool((x == SENTINEL).any()):
-            raise SystemExit(3) if self.kind == "exit" else Unprintable()
+            if self.kind == "exit":
+                raise SystemExit(3)
+            if self.kind == "worker_only":
+                raise _worker_only_error()("its class is in a module only the worker has")
+            raise Unprintable()
         return x
 
 

@@ -57,11 +57,16 @@ def _pass_through_first_layer(pipe: Pipe, model: nn.Module) -> torch.Tensor:
     return bad
 
 
-@pytest.mark.parametrize("kind, reported", [("exit", "SystemExit: 3"),
-                                            ("unprintable", "Unprintable: <Unprintable that cannot be printed")])
-def test_system_exit_and_unprintable_errors_fail_the_step_not_the_worker(cluster, kind, reported):
-    """They had escaped the stage's error handling: its drain never ended, the step waited for the RPC
-    timeout, blamed the stage before, and every later step timed out too."""
+@pytest.mark.parametrize("kind, reported", [
+    ("exit", "SystemExit: 3"),
+    ("unprintable", "Unprintable: <Unprintable that cannot be printed"),
+    ("worker_only", "OnlyOnTheWorker: its class is in a module only the worker has"),
+])
+def test_odd_exceptions_fail_the_step_not_the_worker(cluster, kind, reported):
+    """SystemExit and an unprintable exception had escaped the stage's error handling: its drain never
+    ended, the step waited for the RPC timeout, blamed the stage before, and every later step timed out
+    too. A class the driver cannot import had made the report itself fail to unpickle: a WorkerError
+    saying only "ModuleNotFoundError"."""
     model = nn.Sequential(nn.Linear(4, 4), Misbehaves(kind), nn.Linear(4, 2))
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
         _fails_then_works(pipe, model, _pass_through_first_layer(pipe, model),
