@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -337,3 +338,31 @@ def test_layers_and_factories_defined_in_the_users_script():
             assert [len(s.layers) for s in pipe.stages] == [1, 1]
             assert pipe(torch.randn(4, 2)).local_value().shape == (4, 3)
     """)
+
+
+def test_local_workers_import_modules_beside_the_users_script(tmp_path):
+    """A layer class from ``models.py`` next to the script travels by reference: the local workers
+    import it from the driver's ``sys.path`` even when the script runs from another directory."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "beside_the_script.py").write_text(textwrap.dedent("""
+        from torch import nn
+        class Double(nn.Module):
+            def forward(self, x):
+                return 2 * x
+    """))
+    (project / "train.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from rrefpipe import Pipe
+        from beside_the_script import Double
+        model = nn.Sequential(nn.Linear(4, 4), Double())
+        with Pipe(model, chunks=2, balance=[1, 1]) as pipe, torch.no_grad():
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+        print("matched")
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(project / "train.py")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 0 and "matched" in proc.stdout, proc.stderr[-3000:]

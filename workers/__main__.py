@@ -9,6 +9,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from .launch import adopt_driver_sys_path
 from .network import configure_interface
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS, STAGE_RPC_THREADS, backend_options,
                       parse_device_map)
@@ -56,6 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    adopt_driver_sys_path()
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
     try:

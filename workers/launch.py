@@ -7,6 +7,7 @@ its stdin pipe (closed by the kernel when the driver exits, however it exits) an
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import subprocess
@@ -21,7 +22,11 @@ import torch.distributed.rpc as rpc
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, init_rpc,
                       maps_to_later_workers)
 
-__all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running"]
+__all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running",
+           "adopt_driver_sys_path"]
+
+#: The driver's ``sys.path`` (JSON), handed to the local workers it starts.
+DRIVER_SYS_PATH = "RREFPIPE_DRIVER_SYS_PATH"
 
 _live: set[LocalWorkers] = set()
 _live_lock = threading.Lock()
@@ -95,6 +100,7 @@ class LocalWorkers:
         # spinning members steal the other stages' cores. These bind every thread of the worker.
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(key, str(self.threads))
+        env[DRIVER_SYS_PATH] = json.dumps([os.path.abspath(p) for p in sys.path])
         world = self.num_workers + 1
         for rank, name in enumerate(self.names, start=1):
             cmd = [sys.executable, "-m", "workers", "--rank", str(rank), "--world-size", str(world),
@@ -217,3 +223,14 @@ def _close_all() -> None:
         live = list(_live)
     for workers in live:
         workers.close()
+
+
+def adopt_driver_sys_path() -> None:
+    """In a local worker: import from the driver's ``sys.path`` first, as ``multiprocessing``'s spawned
+    children do. Stages arrive pickled, and classes from an importable module travel by reference: a
+    ``models.py`` beside the user's script (the driver's ``sys.path[0]``), or a folder the script added
+    to ``sys.path``, must be importable here too, whatever the current directory."""
+    raw = os.environ.get(DRIVER_SYS_PATH)
+    if raw:
+        driver: list[str] = json.loads(raw)
+        sys.path[:] = driver + [p for p in sys.path if p not in driver]
