@@ -1,7 +1,8 @@
 """Activation checkpointing of a stage, and whether the current thread is recomputing.
 
 Uses ``torch.utils.checkpoint`` in its non-reentrant form: it recomputes under distributed autograd
-and gives exact gradients; the reentrant form silently drops parameter gradients there (RPC_FACTS).
+and gives exact gradients; the reentrant form silently drops parameter gradients there (measured
+with torch 2.13).
 """
 from __future__ import annotations
 

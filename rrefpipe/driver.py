@@ -275,7 +275,8 @@ _STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>
 
 
 def _first_cause(failures: list[Failure]) -> StageError:
-    """The failure that caused the others: a real error before a cancellation, the latest stage first."""
+    """The failure that caused the others: a real error before a cancellation; among those, a stage's
+    own error before a transport failure, then the earliest micro-batch."""
     real = [f for f in failures if not f.cancelled] or failures
     return min(real, key=lambda f: (f.transport, f.microbatch or 0)).to_exception()
 

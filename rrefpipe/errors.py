@@ -16,7 +16,9 @@ __all__ = ["StageError", "WorkerError"]
 
 
 class StageError(RuntimeError):
-    """A stage raised while running a micro-batch.
+    """A stage failed: it raised while running a micro-batch (``microbatch`` names it), or a control
+    call to its worker failed (building the stage, a state dict, gathering outputs: ``microbatch`` is
+    None).
 
     Attributes carry the place (``stage``, ``worker``, ``microbatch``, ``phase``) and the cause
     (``error_type``, ``error_message``, ``remote_traceback``); ``__cause__`` is the original exception

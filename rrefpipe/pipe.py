@@ -52,9 +52,12 @@ class Pipe(nn.Module):
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
             their forward in backward instead of keeping activations.
-        deferred_batch_norm: replace every ``BatchNorm*d`` by :class:`~rrefpipe.batchnorm.DeferredBatchNorm`,
-            whose running statistics are those of the whole mini-batch, committed once per mini-batch.
-        balance: layers per stage, e.g. ``[2, 3]``; by default stages follow the layers' devices. ``'time'``
+        deferred_batch_norm: replace every ``BatchNorm*d`` that tracks running statistics by
+            :class:`~rrefpipe.batchnorm.DeferredBatchNorm`, whose running statistics are those of the
+            whole mini-batch, committed once per mini-batch (one nested in a child module is
+            replaced in that child, as PyTorch's Pipe did).
+        balance: layers per stage, e.g. ``[2, 3]``; by default an even split when ``devices`` is given,
+            else stages follow the layers' devices. ``'time'``
             or ``'size'``: profile the layers on ``sample`` (:mod:`rrefpipe.balance`), one stage per
             entry of ``devices`` (else of ``workers``), before any worker starts.
         sample: an example mini-batch for ``balance='time' | 'size'`` (split into ``chunks`` as in training).
@@ -69,8 +72,11 @@ class Pipe(nn.Module):
             README, Performance). Stages in this process (RPC world of one) send no messages.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``.
+        TypeError: ``module`` is not an ``nn.Sequential``, or its skippable layers do not match
+            (:func:`~rrefpipe.skip.verify_skippables`).
+        ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``; an
+            empty ``module``; a layer that appears twice; a stage whose parameters span devices.
+        StageError: a stage could not be built on its worker (names the stage and worker).
     """
 
     def __init__(
@@ -139,8 +145,13 @@ class Pipe(nn.Module):
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
         The weights never exist on the driver. Factories travel by value (cloudpickle), so lambdas and
-        functions of your script work; what they import must be installed on the workers. State-dict
-        keys are those of the ``nn.Sequential`` that concatenates the stages' layers.
+        functions of your script work; what they import must be importable on the workers. State-dict
+        keys are those of the ``nn.Sequential`` that concatenates the stages' layers. ``devices``
+        defaults to the CPU for every stage; the other arguments are ``Pipe``'s.
+
+        Raises:
+            TypeError: ``factories`` is empty or holds something that is not callable.
+            StageError: a factory raised on its worker (names the stage and worker).
         """
         if not factories or not all(callable(f) for f in factories):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
@@ -206,7 +217,15 @@ class Pipe(nn.Module):
 
         The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
         where it stays on the last stage's worker (``.to_here()``). Train under
-        ``dist_autograd.context()`` and call ``dist_autograd.backward(ctx, [loss])``.
+        ``dist_autograd.context()`` and call ``pipe.backward(ctx, loss)`` (or
+        ``dist_autograd.backward(ctx, [loss])``); outside a context a training-mode forward warns
+        once, as no gradients could reach the stages.
+
+        Raises:
+            StageError: a stage raised (names stage, worker, micro-batch and cause; the pipe stays
+                usable). ``WorkerError`` (a ``StageError``) when a worker is dead or unreachable.
+            ValueError: the input is not on the CPU (stage workers receive it from this process).
+            TypeError: the input is not a tensor or tuple of tensors.
         """
         return self._driver.forward(input, training=self.training)
 
@@ -215,6 +234,12 @@ class Pipe(nn.Module):
 
         Plain ``dist_autograd.backward`` works as well, but its errors carry only text ("Error on Node
         2: ...") or a bare "EOF" when a worker died.
+
+        Raises:
+            StageError: a stage (or its recomputation) raised in backward; ``WorkerError`` for a dead
+                worker.
+            RuntimeError: a forward of this pipe failed in this context: its sends would keep
+                distributed autograd waiting until the RPC timeout (start a new context).
         """
         losses = [loss] if isinstance(loss, Tensor) else list(loss)
         if isinstance(self._driver, RemoteDriver):
@@ -242,8 +267,9 @@ class Pipe(nn.Module):
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
         """Per stage: ``{'activation': (tensors, bytes), 'skip': (tensors, bytes)}`` it has received.
 
-        The first stage receives each step's whole input as one activation message (it splits it into
-        micro-batches itself); later stages receive one activation message per micro-batch."""
+        Counts are tensors, not messages. The first stage receives each step's whole input at once
+        (it splits it into micro-batches itself); later stages receive each micro-batch's activation
+        tensors, in one message per micro-batch (per ``microbatches_per_message`` of them)."""
         if isinstance(self._driver, LocalDriver):
             raise RuntimeError("traffic is counted on stage workers; this pipe runs in-process")
         return self._driver.traffic()

@@ -43,7 +43,7 @@ class StepMeta:
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Which layers a stage holds, on which worker and device. ``print(pipe.stages)`` shows these."""
+    """Which layers a stage holds, on which worker and device. ``print(pipe)`` or ``print(*pipe.stages)`` shows them as lines."""
 
     index: int
     worker: str

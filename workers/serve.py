@@ -1,9 +1,9 @@
 """The stage-worker runtime: join the RPC group, serve stages, leave when told or when the driver is gone.
 
-TensorPipe's graceful shutdown hangs forever once a peer is dead (RPC_FACTS), so a worker never uses
-it. It waits for a ``stop`` RPC, for its driver to stop answering pings, for the rendezvous store to
-stop answering, or (for local workers) for its stdin pipe from the driver to close, then shuts down
-non-gracefully.
+TensorPipe's graceful shutdown hangs forever once a peer is dead (measured with torch 2.13), so a
+worker never uses it. It waits for a ``stop`` RPC, for its driver to stop answering pings, for the
+rendezvous store to stop answering, or (for local workers) for its stdin pipe from the driver to
+close, then shuts down non-gracefully.
 
 Why the store as well as the ping: an RPC completes, even with an error, only on the worker's RPC
 thread, and a stage worker has one (``workers.options.STAGE_RPC_THREADS``). A stage body that never
