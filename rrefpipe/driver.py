@@ -86,6 +86,7 @@ class RemoteDriver:
         self._warned_no_context = False
         self._closed = False
         self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
+        self._backward_contexts: deque[int] = deque(maxlen=64)  # contexts this pipe ran a backward in
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -199,6 +200,12 @@ class RemoteDriver:
             raise RuntimeError(f"a forward of this pipe failed in autograd context {context_id}: distributed "
                                "autograd would wait for the sends of that forward until the RPC timeout. Run the "
                                "step again in a new dist_autograd.context()")
+        if context_id in self._backward_contexts:
+            raise RuntimeError(f"this pipe already ran a backward in autograd context {context_id}: distributed "
+                               "autograd takes one backward per context (a second waits for the first one's sends "
+                               "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
+                               "accumulate gradients, sum the losses of several forwards into one backward")
+        self._backward_contexts.append(context_id)
         try:
             dist_autograd.backward(context_id, losses)
         except RuntimeError as exc:

@@ -253,6 +253,20 @@ class Pipe(nn.Module):
             self._driver.set_training(mode)
         return self
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """The layers' parameters in a world of one. Stages on workers keep theirs there: an optimizer
+        built from an empty list trains nothing without a word, so iterating raises instead."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's parameters live on its stage workers, so pipe.parameters() has none here: "
+                            "train them with DistributedOptimizer(optimizer_class, pipe.parameter_rrefs(), ...)")
+        return super().named_parameters(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Stages on workers accumulate gradients in each ``dist_autograd`` context, never in
+        ``.grad``: nothing to zero there. In a world of one, ``nn.Module.zero_grad``."""
+        if isinstance(self._driver, LocalDriver):
+            super().zero_grad(set_to_none)
+
     def parameter_rrefs(self) -> list[rpc.RRef]:
         """RRefs to every stage parameter, for ``torch.distributed.optim.DistributedOptimizer``."""
         if isinstance(self._driver, LocalDriver):

@@ -44,6 +44,32 @@ def test_gradient_accumulation_over_several_forwards(cluster):
         torch.testing.assert_close(updated[key], value)
 
 
+def test_old_style_optimizer_and_second_backward_are_refused_at_once(cluster):
+    """pipe.parameters() had been empty (an optimizer over it trained nothing, silently); a second
+    backward in one context had waited for the RPC timeout. The pipe then trains normally."""
+    model = mlp([10, 16, 4], seed=3)
+    reference = twin(model)
+    (x, y), = blobs(1, 12, seed=5)
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with pytest.raises(TypeError, match=r"parameter_rrefs\(\)"):
+            torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.zero_grad()  # old training loops call it: nothing to zero on the workers
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+            with pytest.raises(RuntimeError, match="one backward per context"):
+                pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+            opt.step(ctx)
+        updated = pipe.state_dict()
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    F.cross_entropy(reference(x), y).backward()
+    plain_opt.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(updated[key], value)
+
+
 def test_state_dict_round_trip_and_train_eval_reach_workers(cluster):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2))
     with Pipe(model, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
