@@ -121,7 +121,19 @@ class RemoteDriver:
         return [self._call(j, fn, self.pipe_id, j, *args) for j in range(len(self.infos))]
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
-        return [rref for rrefs in self._call_all(server.parameter_rrefs) for rref in rrefs]
+        rrefs = [rref for rrefs in self._call_all(server.parameter_rrefs) for rref in rrefs]
+        try:
+            for rref in rrefs:
+                rref.owner()  # what DistributedOptimizer asks first
+        except RuntimeError as exc:
+            if "could not find destination id" not in str(exc):
+                raise
+            raise RuntimeError(
+                "torch's RRef bookkeeping keeps the first RPC group this process started, and this pipe's group is "
+                "larger: RRefs owned by its later workers cannot be used, so neither can DistributedOptimizer. Start "
+                "the largest group first and share it (with workers.LocalWorkers(n) as w: Pipe(..., workers=w.names)), "
+                "or run each pipe in its own process") from exc
+        return rrefs
 
     def set_training(self, mode: bool) -> None:
         self._call_all(server.set_training, mode)

@@ -366,3 +366,40 @@ def test_local_workers_import_modules_beside_the_users_script(tmp_path):
     proc = subprocess.run([sys.executable, str(project / "train.py")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=90)
     assert proc.returncode == 0 and "matched" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():
+    """torch's RRef context keeps the process's first RPC group: RRefs owned by workers beyond it fail
+    with "could not find destination id"; parameter_rrefs() says why and what to do, and a shared
+    group started at the largest size first trains."""
+    out = run_script("""
+        import torch, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from torch.distributed.optim import DistributedOptimizer
+        from rrefpipe import Pipe
+        from workers import LocalWorkers
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+        with Pipe(model, chunks=2, balance=[3]) as pipe:
+            pipe(torch.randn(4, 4))
+        with Pipe(model, chunks=2, balance=[2, 1]) as pipe:
+            try:
+                pipe.parameter_rrefs()
+            except RuntimeError as exc:
+                print("refused=" + str("largest group first" in str(exc)))
+    """).stdout
+    assert _values(out, "refused") == ["True"]
+    run_script("""
+        import torch, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from torch.distributed.optim import DistributedOptimizer
+        from rrefpipe import Pipe
+        from workers import LocalWorkers
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+        with LocalWorkers(2) as group:
+            for balance in ([3], [2, 1]):
+                with Pipe(model, chunks=2, balance=balance, workers=group.names[:len(balance)]) as pipe:
+                    opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+                    with dist_autograd.context() as ctx:
+                        pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+                        opt.step(ctx)
+    """)
