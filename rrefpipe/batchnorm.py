@@ -1,6 +1,8 @@
 """Deferred batch norm: per-micro-batch normalisation, running statistics committed once per mini-batch."""
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -10,7 +12,32 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "plain_batch_norms", "running_stats_frozen"]
+
+
+def plain_batch_norms(module: nn.Module) -> list[_BatchNorm]:
+    """The BatchNorm layers of ``module`` that update running statistics themselves (not deferred)."""
+    return [m for m in module.modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm) and m.track_running_stats]
+
+
+@contextmanager
+def running_stats_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
+    """Run plain BatchNorm layers without changing their running statistics: re-run by checkpointing,
+    they normalise with the batch's statistics as the first run did, but must not count the
+    micro-batch a second time. The layers still take their running buffers (checkpoint checks that
+    the re-run saves the same tensors), with momentum 0, and ``num_batches_tracked`` is put back."""
+    saved = [(norm.momentum, None if norm.num_batches_tracked is None else norm.num_batches_tracked.clone())
+             for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, (momentum, tracked) in zip(norms, saved):
+            norm.momentum = momentum
+            if tracked is not None and norm.num_batches_tracked is not None:
+                norm.num_batches_tracked.copy_(tracked)
 
 
 class DeferredBatchNorm(_BatchNorm):

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import _StopRecomputationError
 
 from . import microbatch
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
 from .checkpoint import is_recomputing, run_checkpointed
 from .errors import Failure
 from .dependency import after_parameter_grads, fork, hop, mark, new_phony
@@ -82,6 +82,7 @@ class Stage:
         self.recorder = Recorder(index, worker)
         self.routes = SkipRoutes({}, frozenset())
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        self._plain_norms = plain_batch_norms(module)  # frozen while recomputing
         self._skippable = any(True for _ in skippable_layers(self.module))  # else no skip tracker is needed
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
@@ -150,11 +151,12 @@ class Stage:
             again = is_recomputing()
             start = time.time()
             try:
-                if not self._skippable:  # the common case: no tracker to install
-                    return self.module(value)
-                router = StageRouter(self.routes, received, recomputing=again)
-                with use_tracker(router):
-                    out = self.module(value)
+                with running_stats_frozen(self._plain_norms if again else ()):
+                    if not self._skippable:  # the common case: no tracker to install
+                        return self.module(value)
+                    router = StageRouter(self.routes, received, recomputing=again)
+                    with use_tracker(router):
+                        out = self.module(value)
                 if not again:
                     outgoing.update(router.outgoing)
                 return out

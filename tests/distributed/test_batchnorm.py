@@ -37,3 +37,26 @@ def test_running_stats_after_training_steps(cluster, checkpoint, momentum, bn_st
             torch.testing.assert_close(pipe(x).local_value(), plain(x))  # eval uses the running statistics
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_plain_batch_norm_counts_each_micro_batch_once_when_recomputed(cluster, checkpoint, momentum):
+    """Without deferred batch norm, BatchNorm updates its running statistics per micro-batch, as on
+    micro-batches in one process; recomputation had counted the micro-batch again (num_batches_tracked
+    7 for 'except_last', 8 for 'always' after one step of 4 micro-batches, and a second momentum step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU(), nn.Linear(8, 8),
+                          nn.Sequential(nn.BatchNorm1d(8, momentum=momentum)))
+    plain = copy.deepcopy(model)
+    with Pipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, balance=[2, 3],
+              workers=cluster.names[:2]) as pipe:
+        for step in range(2):
+            x = torch.randn(16, 4) * (1 + step)
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(x).local_value().sum())
+            for micro_batch in x.chunk(4):
+                plain(micro_batch)
+        state = pipe.state_dict()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(state[key], value)
