@@ -8,6 +8,7 @@ report) and the driver turns it back into a :class:`StageError` chained to the o
 from __future__ import annotations
 
 import builtins
+import os
 import pickle
 import traceback
 from dataclasses import dataclass
@@ -103,7 +104,28 @@ class Failure:
             self.remote_traceback,
         )
         error.__cause__ = self.original_exception()
+        if not self.transport and self.remote_traceback.startswith("Traceback") and hasattr(error, "add_note"):
+            # Tracebacks do not pickle: without this an uncaught error shows no line of the layer that raised.
+            error.add_note(f"Raised on worker {self.worker!r} (stage {self.stage}), in the stage's layers (the full "
+                           f"remote traceback is .remote_traceback):\n{_layer_frames(self.remote_traceback)}")
         return error
+
+
+def _layer_frames(trace: str) -> str:
+    """The frames of a formatted traceback below rrefpipe's own (the layers' code), without
+    ``nn.Module``'s call wrappers; the whole text when it has no rrefpipe frame."""
+    frames: list[list[str]] = []
+    for line in trace.rstrip().splitlines()[1:]:
+        if line.startswith('  File "') or not frames:
+            frames.append([line])
+        else:
+            frames[-1].append(line)
+    ours = [k for k, frame in enumerate(frames) if f"{os.sep}rrefpipe{os.sep}" in frame[0]]
+    if not ours:
+        return trace.rstrip()
+    wrapper = f"{os.sep}torch{os.sep}nn{os.sep}modules{os.sep}module.py"
+    kept = [frame for frame in frames[ours[-1] + 1:] if wrapper not in frame[0]]
+    return "\n".join(line for frame in kept for line in frame)
 
 
 # Builtin errors a stage error also *is*, so ``except TypeError`` around a pipe call still works.

@@ -1,4 +1,6 @@
 """A stage that raises: the caller learns stage, worker, micro-batch and cause; the pipe stays usable."""
+import sys
+
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -30,6 +32,9 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_me
         assert "stage 1 on worker 'worker2', micro-batch 2 failed in forward: ValueError: boom" in str(err)
         assert isinstance(err.__cause__, ValueError)
         assert "Boom" in err.remote_traceback or "boom" in err.remote_traceback
+        if sys.version_info >= (3, 11):  # an uncaught error shows the layer's frames (tracebacks do not pickle)
+            note = "\n".join(err.__notes__)
+            assert "tests/layers.py" in note and 'raise ValueError(f"boom' in note and "/rrefpipe/" not in note
         # the same pipe keeps working, and later micro-batches of the failed step were not run
         with torch.no_grad():
             torch.testing.assert_close(pipe(x).local_value(), model(x))
