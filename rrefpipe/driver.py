@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-import warnings
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from . import _rpc, microbatch, server
 from .dependency import new_phony
-from .errors import Failure, StageError
+from .errors import Failure, StageError, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
@@ -175,8 +174,8 @@ class RemoteDriver:
         grad_enabled = torch.is_grad_enabled() and _rpc.current_context_id() is not None
         if torch.is_grad_enabled() and not grad_enabled and training and not self._warned_no_context:
             self._warned_no_context = True
-            warnings.warn("Pipe forward in training mode outside dist_autograd.context(): stages run without "
-                          "autograd and no gradients will reach them", stacklevel=3)
+            warn_user("Pipe forward in training mode outside dist_autograd.context(): stages run without autograd "
+                      "and no gradients will reach them")
         with self._lock:  # steps run one at a time: stages rely on it to order micro-batches
             step = next(self._steps)
             meta = StepMeta(

@@ -10,8 +10,12 @@ from __future__ import annotations
 import builtins
 import os
 import pickle
+import sys
 import traceback
+import warnings
 from dataclasses import dataclass
+
+import torch.nn.modules
 
 __all__ = ["StageError", "WorkerError"]
 
@@ -126,6 +130,19 @@ def _layer_frames(trace: str) -> str:
     wrapper = f"{os.sep}torch{os.sep}nn{os.sep}modules{os.sep}module.py"
     kept = [frame for frame in frames[ours[-1] + 1:] if wrapper not in frame[0]]
     return "\n".join(line for frame in kept for line in frame)
+
+
+_OWN_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(torch.nn.modules.__file__)) + os.sep)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the caller's own line: the first frame outside rrefpipe and
+    ``nn.Module``'s call wrappers (``pipe(x)`` reaches ``forward`` through several)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 # Builtin errors a stage error also *is*, so ``except TypeError`` around a pipe call still works.

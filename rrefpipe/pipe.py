@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from . import _rpc
 from .balance import balance_for_pipe
 from .batchnorm import DeferredBatchNorm
 from .driver import RemoteDriver
+from .errors import warn_user
 from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
@@ -392,7 +392,7 @@ class Pipe(nn.Module):
 def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
     """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied)."""
     if not any(isinstance(m, _BatchNorm) for m in module.modules()):
-        warnings.warn("deferred_batch_norm=True, but the module has no BatchNorm layers to defer", stacklevel=3)
+        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer")
         return module
     converted = nn.Sequential(OrderedDict(
         (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()

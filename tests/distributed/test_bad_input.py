@@ -81,6 +81,16 @@ def test_stage_returning_a_non_tensor_is_a_type_error(cluster):
     assert isinstance(info.value, StageError)
 
 
+def test_warnings_point_at_the_callers_line(cluster):
+    """Not at nn.Module's call wrapper (torch/nn/modules/module.py), which the user cannot act on."""
+    with Pipe(lin(2), chunks=2, balance=[1, 1], workers=cluster.names[:2]) as pipe:
+        with pytest.warns(UserWarning, match="outside dist_autograd.context") as record:
+            pipe(torch.randn(4, 4))
+    with pytest.warns(UserWarning, match="no BatchNorm layers") as more:
+        Pipe(lin(2), deferred_batch_norm=True, balance=[1, 1], workers=cluster.names[:2]).close()
+    assert [w.filename for w in [*record, *more]] == [__file__, __file__]
+
+
 def test_workers_still_run_after_the_table(cluster):
     assert all(proc.poll() is None for proc in cluster._procs)
     counts = all_counts(cluster.names)
