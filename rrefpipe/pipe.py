@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import importlib
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -178,13 +180,13 @@ class Pipe(nn.Module):
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
         n = len(specs)
-        from workers.launch import acquire_embedded, embedded_running
+        launch = _worker_module("launch")
 
-        if workers is None and (embedded_running() or not _rpc.is_initialized()):
+        if workers is None and (launch.embedded_running() or not _rpc.is_initialized()):
             _check_local_devices(devices)
             cuda = any(d.type == "cuda" for d in devices)
-            local = acquire_embedded(n, devices=[str(d) for d in devices] if cuda else None,
-                                     rpc_timeout=self.rpc_timeout)
+            local = launch.acquire_embedded(n, devices=[str(d) for d in devices] if cuda else None,
+                                            rpc_timeout=self.rpc_timeout)
             self._local_workers, workers = local, local.names[:n]
         elif not _rpc.is_initialized():
             raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
@@ -341,7 +343,7 @@ class Pipe(nn.Module):
 
     def _stop_local_workers(self) -> None:
         if self._local_workers is not None:
-            from workers.launch import release_embedded
+            release_embedded = _worker_module("launch").release_embedded
 
             release_embedded(self._local_workers)
             self._local_workers = None
@@ -400,9 +402,23 @@ def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
     return converted
 
 
+def _worker_module(name: str) -> Any:
+    """``workers.<name>``, from rrefpipe's stage-worker package (imported when first needed). A module
+    of the user's named ``workers`` earlier on ``sys.path`` (a workers.py beside the script) hides it:
+    say so, instead of "'workers' is not a package"."""
+    try:
+        return importlib.import_module(f"workers.{name}")
+    except ImportError as exc:
+        hidden = sys.modules.get("workers")
+        if hidden is not None and not hasattr(hidden, "__path__"):
+            raise ImportError(f"rrefpipe's stage-worker package 'workers' is hidden by {hidden.__file__}, a module of "
+                              "the same name earlier on sys.path: rename that module") from exc
+        raise
+
+
 def _devices(devices: Sequence[str | torch.device] | None, count: int | None) -> list[torch.device] | None:
     """The devices as stages and device maps compare them ("cpu:0" is "cpu", a bare "cuda" "cuda:0")."""
-    from workers.options import device_name
+    device_name = _worker_module("options").device_name
 
     if devices is None:
         return None

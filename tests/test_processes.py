@@ -362,10 +362,39 @@ def test_local_workers_import_modules_beside_the_users_script(tmp_path):
             torch.testing.assert_close(pipe(x).local_value(), model(x))
         print("matched")
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(project / "train.py")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=90)
+    proc = _run_file(project / "train.py", cwd=tmp_path)
     assert proc.returncode == 0 and "matched" in proc.stdout, proc.stderr[-3000:]
+
+
+def _run_file(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python script`` from ``cwd``, with rrefpipe importable as when installed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=90)
+
+
+def test_a_users_own_workers_module_neither_runs_as_a_worker_nor_hides_the_cause(tmp_path):
+    """A workers.py in the current directory had been what `python -m workers` ran in each local
+    worker (user code run, then the driver waiting for the workers until its start-up timeout); one
+    beside the script hides rrefpipe's package in the driver, which now says so."""
+    (tmp_path / "workers.py").write_text("print('the user workers module ran')\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    script = project / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from rrefpipe import Pipe
+        with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2, balance=[1, 1]) as pipe:
+            with torch.no_grad():
+                print("shape", tuple(pipe(torch.randn(2, 4)).local_value().shape))
+    """))
+    proc = _run_file(script, cwd=tmp_path)
+    assert proc.returncode == 0 and "shape (2, 4)" in proc.stdout, proc.stderr[-3000:]
+    assert "the user workers module ran" not in proc.stdout
+    (project / "workers.py").write_text("")
+    proc = _run_file(script, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"'workers' is hidden by {project / 'workers.py'}" in proc.stderr
 
 
 def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():

@@ -28,6 +28,11 @@ __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", 
 #: The driver's ``sys.path`` (JSON), handed to the local workers it starts.
 DRIVER_SYS_PATH = "RREFPIPE_DRIVER_SYS_PATH"
 
+#: ``python -m workers``, but of this very package: ``-m`` would look in the current directory first,
+#: where a user's own ``workers.py`` would run instead.
+_RUN_THIS_PACKAGE = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}); "
+                     "from workers.__main__ import main; main()")
+
 _live: set[LocalWorkers] = set()
 _live_lock = threading.Lock()
 
@@ -103,7 +108,7 @@ class LocalWorkers:
         env[DRIVER_SYS_PATH] = json.dumps([os.path.abspath(p) for p in sys.path])
         world = self.num_workers + 1
         for rank, name in enumerate(self.names, start=1):
-            cmd = [sys.executable, "-m", "workers", "--rank", str(rank), "--world-size", str(world),
+            cmd = [sys.executable, "-c", _RUN_THIS_PACKAGE, "--rank", str(rank), "--world-size", str(world),
                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--name", name,
                    "--driver", self.driver_name, "--threads", str(self.threads), "--watch-stdin",
                    "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo"]
