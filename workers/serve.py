@@ -18,7 +18,9 @@ import os
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
+from typing import TextIO
 
 import torch
 import torch.distributed.rpc as rpc
@@ -86,6 +88,20 @@ def _watch_store(name: str, interval: float) -> None:
                 os._exit(0)
 
 
+def _drop_torchscript_optimizer_warning() -> None:
+    """DistributedOptimizer scripts its functional optimizer on each worker, and torch 2.13 then warns
+    there about its own use of TorchScript: nothing a user of DistributedOptimizer can act on. torch
+    warns inside ``simplefilter("always")``, past any filter, so the message is dropped at display."""
+    show = warnings.showwarning
+
+    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: TextIO | None = None, line: str | None = None) -> None:
+        if "support for functional optimizers is deprecated" not in str(message):
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def serve(
     *,
     name: str,
@@ -114,6 +130,7 @@ def serve(
     from rrefpipe.checkpoint import warm_up
 
     warm_up()
+    _drop_torchscript_optimizer_warning()
     init_rpc(name, rank=rank, world_size=world_size, options=options)
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
