@@ -97,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     else:
-        _timeline(args)
+        try:
+            _timeline(args)
+        except ImportError as exc:  # matplotlib missing: the JSON trace is written, the picture is not
+            raise SystemExit(f"python -m rrefpipe timeline: {exc}") from None
 
 
 if __name__ == "__main__":

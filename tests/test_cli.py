@@ -63,3 +63,9 @@ def test_timeline_command_writes_json_and_png_and_redraws(tmp_path):
     assert Image.open(tmp_path / "tl.png").size == (1200, round((1.2 + 0.55 * 2) * 100))
     cli("timeline", "--from-json", str(tmp_path / "tl.json"), "--out", str(tmp_path / "again"))
     assert Image.open(tmp_path / "again.png").size == (1200, 230)
+    # without matplotlib: one line saying what to install, no traceback
+    blocked = "import sys; sys.modules['matplotlib'] = None; from rrefpipe.__main__ import main; main()"
+    proc = subprocess.run([sys.executable, "-c", blocked, "timeline", "--from-json", str(tmp_path / "tl.json"),
+                           "--out", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("python -m rrefpipe timeline: drawing the timeline needs matplotlib")
