@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 
 import pytest
 import torch
@@ -162,6 +163,17 @@ def test_clear_errors():
     model.zero_grad(set_to_none=True)
     with pytest.raises(TypeError, match="sample must be a Tensor"):
         balance_by_time(2, model, "not a tensor")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+@pytest.mark.parametrize("fn", [balance_by_time, balance_by_size])
+def test_a_layer_that_fails_while_profiled_is_named(fn):
+    """The user's exception, its type kept, with a note naming the layer (it had surfaced from deep
+    inside the profiler with no layer named)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(4, 2))  # layer 2 expects 4 features, gets 8
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as info:
+        fn(2, model, torch.randn(3, 4))
+    assert info.value.__notes__ == ["rrefpipe.balance: raised by layer 2 (Linear) while profiling it"]
 
 
 def test_pipe_balance_argument_errors_before_any_worker_starts():

@@ -67,6 +67,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def _blamed_on(index: int, layer: nn.Module) -> Iterator[None]:
+    """An error while profiling a layer says which one (as a note: the exception keeps its type)."""
+    try:
+        yield
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"rrefpipe.balance: raised by layer {index} ({type(layer).__name__}) while profiling it")
+        raise
+
+
 def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.device) -> list[float]:
     """One forward+backward of every layer on its own (input: the previous layer's output, detached)."""
     times = []
@@ -74,11 +85,12 @@ def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.
     for j, layer in enumerate(layers):
         _sync(device)
         start = time.perf_counter()
-        out = layer(value)
-        value = _detach(out, f"output of layer {j}")
-        outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        with _blamed_on(j, layer):
+            out = layer(value)
+            value = _detach(out, f"output of layer {j}")
+            outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         _sync(device)
         times.append(time.perf_counter() - start)
         for p in layer.parameters():
@@ -178,10 +190,11 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
     with sandbox(module, dev) as layers:
         value = _prepare(micro, dev, "input")
         for j, layer in enumerate(layers):
-            if dev.type == "cuda":
-                activation, out = _allocated_bytes(layer, value, dev)
-            else:
-                activation, out = _saved_bytes(layer, value, seen)
+            with _blamed_on(j, layer):
+                if dev.type == "cuda":
+                    activation, out = _allocated_bytes(layer, value, dev)
+                else:
+                    activation, out = _saved_bytes(layer, value, seen)
             sizes.append(int(activation + param_bytes(layer) * param_scale))
             kept.append(out)
             value = _detach(out, f"output of layer {j}")
