@@ -1,5 +1,10 @@
+import subprocess
+import sys
+
 import pytest
 
+from tests.conftest import ROOT
+from workers import free_port
 from workers.__main__ import parse_args
 from workers.options import backend_options, parse_device_map
 
@@ -58,3 +63,17 @@ def test_local_workers_map_cuda_devices_only():
     assert local._device_args(0) == ["--device", "cuda:0", "--device-map", "worker3=cuda:0>cuda:1"]
     assert local._device_args(1) == []
     assert LocalWorkers(2)._device_args(0) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_started_by_hand_says_where_it_waits():
+    """With no driver up (or a mistyped port) it waits for the rendezvous: it must say so, not look hung."""
+    proc = subprocess.Popen([sys.executable, "-m", "workers", "--rank", "1", "--world-size", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline() if proc.stderr else ""
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first.startswith("python -m workers: worker1 (rank 1 of 2) joining the group at 127.0.0.1:")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
 from .launch import adopt_driver_sys_path
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         transports=args.transport or LOCAL_TRANSPORTS,
         channels=args.channel, devices=args.device, device_maps=parse_device_map(args.device_map),
     )
+    if not args.watch_stdin:  # started by hand: a wrong port would otherwise look like a hang
+        print(f"python -m workers: {args.name or f'worker{args.rank}'} (rank {args.rank} of {args.world_size}) joining "
+              f"the group at {args.master_addr}:{args.master_port}; it starts once rank 0 (the driver) is up",
+              file=sys.stderr, flush=True)
     serve(name=args.name or f"worker{args.rank}", rank=args.rank, world_size=args.world_size, options=options,
           driver=args.driver, watch_stdin=args.watch_stdin, threads=args.threads, interop_threads=args.interop_threads)
 
