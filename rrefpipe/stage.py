@@ -43,7 +43,8 @@ class StepMeta:
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Which layers a stage holds, on which worker and device. ``print(pipe)`` or ``print(*pipe.stages)`` shows them as lines."""
+    """Which layers a stage holds, on which worker and device. ``print(pipe)`` or
+    ``print(*pipe.stages)`` shows them as lines."""
 
     index: int
     worker: str

@@ -30,8 +30,8 @@ DRIVER_SYS_PATH = "RREFPIPE_DRIVER_SYS_PATH"
 
 #: ``python -m workers``, but of this very package: ``-m`` would look in the current directory first,
 #: where a user's own ``workers.py`` would run instead.
-_RUN_THIS_PACKAGE = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}); "
-                     "from workers.__main__ import main; main()")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN_THIS_PACKAGE = f"import sys; sys.path.insert(0, {_PACKAGE_PARENT!r}); from workers.__main__ import main; main()"
 
 _live: set[LocalWorkers] = set()
 _live_lock = threading.Lock()

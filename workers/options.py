@@ -15,7 +15,8 @@ __all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STA
 DEFAULT_RPC_TIMEOUT = 120.0
 
 #: Transports for processes on one host. The shared-memory transport busy-polls about half a core per
-#: idle process (measured on the 2-core development machine), which on a small machine steals the stages' compute; "uv" (TCP) idles at 0%.
+#: idle process (measured on the 2-core development machine), which on a small machine steals the
+#: stages' compute; "uv" (TCP) idles at 0%.
 LOCAL_TRANSPORTS: tuple[str, ...] = ("uv",)
 
 #: RPC threads of a stage worker. One thread runs every RPC body and creates every autograd node of the
