@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["run_checkpointed", "is_recomputing", "recomputing", "warm_up"]
+__all__ = ["run_checkpointed", "is_checkpointing", "is_recomputing", "recomputing", "warm_up"]
 
 _state = threading.local()
 
@@ -22,6 +22,12 @@ _state = threading.local()
 def is_recomputing() -> bool:
     """True while a checkpointed stage re-runs its forward in backward (layers must not count it twice)."""
     return bool(getattr(_state, "recomputing", False))
+
+
+def is_checkpointing() -> bool:
+    """True during the first forward of a checkpointed micro-batch, the run whose activations are
+    dropped and recomputed later (as in PyTorch's Pipe and torchgpipe)."""
+    return bool(getattr(_state, "checkpointing", False))
 
 
 @contextmanager
@@ -53,11 +59,14 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
         with recomputing(again):
             if again:
                 return fn(v)
+            _state.checkpointing = True
             try:
                 return fn(v)
             except BaseException as exc:  # raised again below, whatever it is
                 failed.append(exc)
                 return None
+            finally:
+                _state.checkpointing = False
 
     try:
         return checkpoint(counted, value, use_reentrant=False, preserve_rng_state=True)

@@ -32,7 +32,10 @@ def verify_module(module: object) -> None:
 def check_chunks(value: object, name: str = "chunks") -> int:
     """A positive int (``bool`` is not one); ``name`` says which argument in the error."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        hint = ""
+        if name == "chunks" and isinstance(value, (list, tuple)):  # torchgpipe's GPipe(module, balance, chunks)
+            hint = f" (layers per stage go by keyword: Pipe(module, chunks=..., balance={list(value)!r}))"
+        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
     return value
 
 

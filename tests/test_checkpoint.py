@@ -3,14 +3,15 @@ import pytest
 import torch
 
 import rrefpipe.checkpoint
-from rrefpipe.checkpoint import is_recomputing, run_checkpointed
+from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
+from rrefpipe.checkpoint import run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():
     flags = []
 
     def fn(x):
-        flags.append(is_recomputing())
+        flags.append((is_checkpointing(), is_recomputing()))
         return torch.tanh(x) * x
 
     x = torch.randn(5, requires_grad=True)
@@ -18,7 +19,10 @@ def test_recomputation_gives_the_same_gradients_and_is_flagged():
     y = x.detach().clone().requires_grad_()
     (torch.tanh(y) * y).sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
-    assert flags == [False, True]
+    assert flags == [(True, False), (False, True)]
+    assert (is_checkpointing(), is_recomputing()) == (False, False)
+    fn(x)  # outside checkpointing
+    assert flags[-1] == (False, False)
 
 
 def test_a_failed_forward_leaves_later_graphs_of_the_thread_alone():

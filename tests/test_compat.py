@@ -18,6 +18,9 @@ def test_public_module_paths():
     (nn.Linear(2, 2), {}, TypeError, "Pipe expects an nn.Sequential module, got Linear"),
     (nn.Sequential(), {}, ValueError, "Pipe expects a non-empty nn.Sequential"),
     (nn.Sequential(nn.Linear(2, 2)), {"chunks": 0}, ValueError, "chunks must be a positive int, got 0"),
+    # torchgpipe's GPipe(module, balance, chunks): the balance lands in chunks here
+    (nn.Sequential(nn.Linear(2, 2)), {"chunks": [1]}, ValueError,
+     r"got \[1\] \(layers per stage go by keyword: Pipe\(module, chunks=\.\.\., balance=\[1\]\)\)"),
     (nn.Sequential(nn.Linear(2, 2)), {"checkpoint": "x"}, ValueError, "checkpoint must be one of"),
     (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta")), {"balance": [2]}, ValueError,
      "stage 0 has parameters on several devices"),
