@@ -10,7 +10,7 @@ from torch import nn
 from .schedule import CHECKPOINT_MODES
 
 __all__ = ["verify_module", "check_chunks", "check_checkpoint", "check_balance", "uniform_balance",
-           "balance_by_placement", "split_module", "module_device"]
+           "balance_by_placement", "split_module", "module_device", "check_unshared"]
 
 
 def verify_module(module: object) -> None:
@@ -98,3 +98,18 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Seque
         stages.append(nn.Sequential(OrderedDict(items[start:start + count])))
         start += count
     return stages
+
+
+def check_unshared(stages: Sequence[nn.Module]) -> None:
+    """Stages on separate workers hold copies of their layers: a parameter shared by two stages (tied
+    weights, e.g. an output head tied to the embedding) would become two parameters trained apart, so
+    it is refused, as PyTorch's Pipe refused it."""
+    owners: dict[int, tuple[int, str]] = {}
+    for j, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            if id(param) in owners and owners[id(param)][0] != j:
+                k, first = owners[id(param)]
+                raise ValueError(f"parameter {name!r} of stage {j} is parameter {first!r} of stage {k}: stages on "
+                                 "separate workers cannot share parameters (tied weights); put the layers that "
+                                 "share it in one stage (balance=...)")
+            owners.setdefault(id(param), (j, name))

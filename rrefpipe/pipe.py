@@ -24,7 +24,7 @@ from .errors import warn_user
 from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
-                        split_module, uniform_balance, verify_module)
+                        check_unshared, split_module, uniform_balance, verify_module)
 from .server import StageSpec
 from .skip.skippable import verify_skippables
 from .stage import StageInfo
@@ -128,6 +128,7 @@ class Pipe(nn.Module):
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
         else:
+            check_unshared(stages)
             specs = [_spec(j, _on_cpu(stage), None, stage_devices) for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
 

@@ -17,6 +17,13 @@ def _shared_layer() -> nn.Sequential:
     return model
 
 
+def _tied_head() -> nn.Sequential:
+    """A language-model shape: the output head reuses the embedding's weight."""
+    embedding, head = nn.Embedding(20, 4), nn.Linear(4, 20, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(4, 4), nn.Tanh(), head)
+
+
 def lin(n: int = 2) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
 
@@ -43,6 +50,8 @@ CONSTRUCTION = [
      ValueError, "device cuda:7 does not exist"),
     ("invalid device", lambda w: Pipe(lin(2), balance=[1, 1], devices=["cpu", "gpu0"], workers=w[:2]),
      ValueError, "invalid device 'gpu0'"),
+    ("tied weights across stages", lambda w: Pipe(_tied_head(), balance=[2, 2], workers=w[:2]), ValueError,
+     "parameter '3.weight' of stage 1 is parameter '0.weight' of stage 0: stages on separate workers cannot share"),
 ]
 
 FORWARD = [
