@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +86,9 @@ class RemoteDriver:
         self._closed = False
         self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
         self._backward_contexts: deque[int] = deque(maxlen=64)  # contexts this pipe ran a backward in
+        # Per context, the autograd nodes of each forward's outputs: a forward left out of the loss
+        # would keep backward waiting for its sends until the RPC timeout.
+        self._context_outputs: OrderedDict[int, list[list[Any]]] = OrderedDict()
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -202,7 +205,37 @@ class RemoteDriver:
                               timeout=self.rpc_timeout)
         if collector.output is None:
             raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
+        if grad_enabled:
+            self._remember_outputs(collector.output)
         return rpc.RRef(collector.output)
+
+    def _remember_outputs(self, output: TensorOrTensors) -> None:
+        nodes = [t.grad_fn for t in microbatch.as_tensors(output) if t.grad_fn is not None]
+        context_id = _rpc.current_context_id()
+        if nodes and context_id is not None:
+            self._context_outputs.setdefault(context_id, []).append(nodes)
+            self._context_outputs.move_to_end(context_id)
+            while len(self._context_outputs) > 64:
+                self._context_outputs.popitem(last=False)
+
+    def _check_outputs_in_loss(self, context_id: int, losses: list[Tensor]) -> None:
+        """Refuse at once a backward whose losses leave out a forward of this context."""
+        forwards = self._context_outputs.pop(context_id, [])
+        if not forwards:
+            return
+        reached: set[Any] = set()
+        todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is not None and node not in reached:
+                reached.add(node)
+                todo.extend(next_node for next_node, _ in node.next_functions)
+        unused = [k for k, nodes in enumerate(forwards) if not any(node in reached for node in nodes)]
+        if unused:
+            raise RuntimeError(
+                f"forward {unused[0] + 1} of {len(forwards)} of this pipe in autograd context {context_id} is not part "
+                "of the loss: distributed autograd would wait for its sends until the RPC timeout. Run forwards you "
+                "do not backpropagate (validation, metrics) under torch.no_grad() or outside the context")
 
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
@@ -216,6 +249,7 @@ class RemoteDriver:
                                "autograd takes one backward per context (a second waits for the first one's sends "
                                "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
                                "accumulate gradients, sum the losses of several forwards into one backward")
+        self._check_outputs_in_loss(context_id, losses)
         self._backward_contexts.append(context_id)
         try:
             dist_autograd.backward(context_id, losses)

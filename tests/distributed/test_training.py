@@ -44,9 +44,10 @@ def test_gradient_accumulation_over_several_forwards(cluster):
         torch.testing.assert_close(updated[key], value)
 
 
-def test_old_style_optimizer_and_second_backward_are_refused_at_once(cluster):
+def test_old_style_optimizer_second_backward_and_unused_forward_are_refused_at_once(cluster):
     """pipe.parameters() had been empty (an optimizer over it trained nothing, silently); a second
-    backward in one context had waited for the RPC timeout. The pipe then trains normally."""
+    backward in one context, or a forward of the context left out of the loss, had waited for the
+    RPC timeout. The pipe then trains normally."""
     model = mlp([10, 16, 4], seed=3)
     reference = twin(model)
     (x, y), = blobs(1, 12, seed=5)
@@ -58,6 +59,11 @@ def test_old_style_optimizer_and_second_backward_are_refused_at_once(cluster):
             pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
             with pytest.raises(RuntimeError, match="one backward per context"):
                 pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+        with dist_autograd.context() as ctx:
+            loss = F.cross_entropy(pipe(x).local_value(), y)
+            pipe(x)  # a metric, say, computed with gradients on
+            with pytest.raises(RuntimeError, match="forward 2 of 2 of this pipe .* is not part of the loss"):
+                pipe.backward(ctx, loss)
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
         with dist_autograd.context() as ctx:
             pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
