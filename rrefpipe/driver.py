@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _rpc, microbatch, server
 from .dependency import new_phony
-from .errors import Failure, StageError, warn_user
+from .errors import Failure, StageError, WorkerError, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
@@ -267,12 +267,9 @@ class RemoteDriver:
         names = _rpc.worker_names()
         message = text[matches[-1].end():] if matches else text
         if not matches or _is_transport_error(message):
-            for j, worker in enumerate(self.workers):
-                try:
-                    rpc.rpc_sync(worker, server._noop, timeout=2)
-                except Exception:
-                    return Failure(j, worker, None, phase, "WorkerError", f"the worker is unreachable ({message})",
-                                   text, transport=True).to_exception()
+            dead = self._unresponsive("the worker is unreachable", phase, message)
+            if dead is not None:
+                return dead
         for match in reversed(matches):
             node = int(match.group(1))
             if node < len(names) and names[node] in self.workers:
@@ -318,7 +315,25 @@ class RemoteDriver:
         except Exception as exc:
             failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
-            raise _first_cause(failures)
+            cause = _first_cause(failures)
+            if isinstance(cause, WorkerError) and "timeout" in cause.error_message:
+                # Every stage before a hung one times out waiting for the next: find the one that is busy.
+                busy = self._unresponsive("did not answer within 2 s, hung or still busy in its layers")
+                if busy is not None:
+                    raise busy from cause
+            raise cause
+
+    def _unresponsive(self, why: str, phase: str = "forward", cause: str = "") -> StageError | None:
+        """A WorkerError for the first stage worker that does not answer a ping within 2 s (dead, or
+        its one RPC thread stuck in a stage's layers), or None when all answer."""
+        for j, worker in enumerate(self.workers):
+            try:
+                rpc.rpc_sync(worker, server._noop, timeout=2)
+            except Exception as exc:
+                detail = cause or str(exc)
+                return Failure(j, worker, None, phase, "WorkerError", f"{why} ({detail})", detail,
+                               transport=True).to_exception()
+        return None
 
 
 _NODE = re.compile(r"Error on Node (\d+): ")

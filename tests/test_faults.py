@@ -84,6 +84,35 @@ def test_worker_killed_between_forward_and_backward_is_named_not_its_neighbour()
     assert float(v["surfaced"]) < 10
 
 
+def test_a_stage_hung_past_the_rpc_timeout_is_the_one_named():
+    """Every stage before a hung one times out waiting for the next, the first stage first: the driver
+    pings the workers and names the one whose RPC thread is still stuck (it had named stage 0)."""
+    v = _run("stage hung past the RPC timeout", """
+        class HangsOnce(nn.Module):  # the fault: the first forward blocks for 6 s, past the 2 s RPC timeout
+            calls = 0
+            def forward(self, x):
+                HangsOnce.calls += 1
+                if HangsOnce.calls == 1:
+                    time.sleep(6)
+                return x
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), HangsOnce())
+        with Pipe(model, chunks=1, balance=[1, 1, 1], rpc_timeout=2) as pipe, torch.no_grad():
+            t = time.monotonic()
+            try:
+                pipe(torch.randn(2, 4))
+            except WorkerError as exc:
+                report(stage=exc.stage, worker=exc.worker, hung="did not answer" in str(exc),
+                       surfaced=time.monotonic() - t)
+            import torch.distributed.rpc as rpc
+            rpc.rpc_sync("worker3", torch.add, args=(1, 1), timeout=30)  # queued behind the hang: it has ended
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
+            report(after="ok")
+    """)
+    assert (v["stage"], v["worker"], v["hung"], v["after"]) == ("2", "worker3", "True", "ok")
+    assert float(v["surfaced"]) < 6
+
+
 @pytest.mark.parametrize("layer, checkpoint, expected", [
     ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
     ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
