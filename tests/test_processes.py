@@ -432,3 +432,29 @@ def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():
                         pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
                         opt.step(ctx)
     """)
+
+
+def test_close_is_prompt_with_a_forked_child_or_after_the_user_shut_rpc_down():
+    """A child forked from the driver (a DataLoader worker) holds copies of the workers' stdin pipes:
+    close() had waited 10 s and then killed the workers. After the user's own non-graceful
+    rpc.shutdown(), close() had raised and left the worker processes unreaped."""
+    out = run_script("""
+        import multiprocessing, time, torch, torch.distributed.rpc as rpc
+        from torch import nn
+        from rrefpipe import Pipe
+        for case in ("forked child", "user shutdown"):
+            pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2, balance=[1, 1])
+            procs = pipe._local_workers._procs
+            if case == "forked child":
+                multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True).start()
+            else:
+                rpc.shutdown(graceful=False)
+            t = time.monotonic()
+            pipe.close()
+            print(f"{case}: took={time.monotonic() - t:.2f} codes={[p.returncode for p in procs]}")
+    """).stdout
+    lines = [line for line in out.splitlines() if "took=" in line]
+    assert len(lines) == 2, out
+    for line in lines:
+        assert line.endswith("codes=[0, 0]"), line
+        assert float(line.split("took=")[1].split()[0]) < 5, line

@@ -21,6 +21,7 @@ import torch.distributed.rpc as rpc
 
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, init_rpc,
                       maps_to_later_workers)
+from .serve import stop_workers
 
 __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running",
            "adopt_driver_sys_path"]
@@ -151,10 +152,15 @@ class LocalWorkers:
 
     def close(self) -> None:
         """Stop the workers and leave the RPC group; returns promptly even if a worker is dead."""
+        from rrefpipe import _rpc
+
         if self._started:
             self._started = False
-            # The driver leaves first; closing the stdin pipes then tells each child to go.
-            rpc.shutdown(graceful=False)
+            if _rpc.is_initialized():  # the user may have shut RPC down already
+                # Each worker is asked to leave, then the driver leaves. Closing the stdin pipes would
+                # tell them too, but a child forked from the driver (a DataLoader worker) holds copies
+                # of those pipes open: the workers then waited out the reaping and were killed.
+                stop_workers(self.names)
         self._reap()
 
     def _reap(self, timeout: float = 10.0) -> None:
