@@ -458,3 +458,38 @@ def test_close_is_prompt_with_a_forked_child_or_after_the_user_shut_rpc_down():
     for line in lines:
         assert line.endswith("codes=[0, 0]"), line
         assert float(line.split("took=")[1].split()[0]) < 5, line
+
+
+def test_pipes_built_from_two_threads_at_once_share_one_group_and_ctrl_c_stays_an_interrupt():
+    """Two threads had both started a group (one failed after 14 s: "RPC is already initialized");
+    a Ctrl-C while the workers started had become a RuntimeError with an empty reason."""
+    out = run_script("""
+        import threading, torch
+        from torch import nn
+        from rrefpipe import Pipe
+        import workers.launch
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        pipes, errors = [], []
+        def build():
+            try:
+                pipes.append(Pipe(model, chunks=2, balance=[1, 1]))
+            except Exception as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=build) for _ in range(2)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(f"built={len(pipes)} errors={errors} shared={pipes[0]._local_workers is pipes[-1]._local_workers}")
+        x = torch.randn(4, 4)
+        with torch.no_grad():
+            for pipe in pipes:
+                torch.testing.assert_close(pipe(x).local_value(), model(x))
+        for pipe in pipes: pipe.close()
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        workers.launch.init_rpc = interrupted  # Ctrl-C while the group starts
+        try:
+            Pipe(model, chunks=2, balance=[1, 1])
+        except KeyboardInterrupt:
+            print("interrupt=KeyboardInterrupt")
+    """).stdout
+    assert "built=2 errors=[] shared=True" in out and "interrupt=KeyboardInterrupt" in out, out

@@ -130,6 +130,8 @@ class LocalWorkers:
         except BaseException as exc:
             dead = {name: p.returncode for name, p in zip(self.names, self._procs) if p.poll() is not None}
             self._reap()
+            if not isinstance(exc, Exception):  # Ctrl-C while waiting for the workers stays a KeyboardInterrupt
+                raise
             detail = f" (workers that exited: {dead})" if dead else ""
             raise RuntimeError(f"could not start {self.num_workers} local stage workers{detail}: {exc}") from exc
         finally:
@@ -197,24 +199,26 @@ class LocalWorkers:
 
 
 _embedded: LocalWorkers | None = None
+_embedded_lock = threading.Lock()  # pipes built (or closed) from several threads at once share one group
 
 
 def acquire_embedded(num_workers: int, *, devices: Sequence[str] | None, rpc_timeout: float) -> LocalWorkers:
     """The process's embedded workers: started by the first pipe that needs them, shared by later ones
     (counted), so closing one pipe never stops another's stages."""
     global _embedded
-    if _embedded is not None and _embedded.running:
-        if num_workers > _embedded.num_workers:
-            raise ValueError(f"this pipe needs {num_workers} local stage workers, but another open pipe started "
-                             f"{_embedded.num_workers}: close it first, or start workers.LocalWorkers({num_workers}) "
-                             "yourself and pass workers=")
-        if devices is not None and list(devices) != (_embedded.devices or [])[:num_workers]:
-            raise ValueError(f"the local workers of another open pipe use devices {_embedded.devices}, this pipe "
-                             f"asks for {list(devices)}: close it first")
-    else:
-        _embedded = LocalWorkers(num_workers, devices=devices, rpc_timeout=rpc_timeout).start()
-    _embedded.refs += 1
-    return _embedded
+    with _embedded_lock:
+        if _embedded is not None and _embedded.running:
+            if num_workers > _embedded.num_workers:
+                raise ValueError(f"this pipe needs {num_workers} local stage workers, but another open pipe started "
+                                 f"{_embedded.num_workers}: close it first, or start "
+                                 f"workers.LocalWorkers({num_workers}) yourself and pass workers=")
+            if devices is not None and list(devices) != (_embedded.devices or [])[:num_workers]:
+                raise ValueError(f"the local workers of another open pipe use devices {_embedded.devices}, this "
+                                 f"pipe asks for {list(devices)}: close it first")
+        else:
+            _embedded = LocalWorkers(num_workers, devices=devices, rpc_timeout=rpc_timeout).start()
+        _embedded.refs += 1
+        return _embedded
 
 
 def embedded_running() -> bool:
@@ -223,9 +227,10 @@ def embedded_running() -> bool:
 
 def release_embedded(workers: LocalWorkers) -> None:
     """A pipe is done with the embedded workers; the last one out stops them."""
-    workers.refs -= 1
-    if workers.refs <= 0:
-        workers.close()
+    with _embedded_lock:
+        workers.refs -= 1
+        if workers.refs <= 0:
+            workers.close()
 
 
 @atexit.register
