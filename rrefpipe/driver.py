@@ -95,7 +95,7 @@ class RemoteDriver:
                 spec.layer_offset = sum(len(info.layers) for info in self.infos)
                 # cloudpickle sends classes and factories defined in the user's script by value: a
                 # worker cannot import the driver's __main__.
-                self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, cloudpickle.dumps(spec)))
+                self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, _pickled(spec, workers)))
             routes = route([(info.stashes, info.pops) for info in self.infos])
             for j, stage_routes in enumerate(routes):
                 self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes)
@@ -339,6 +339,14 @@ class RemoteDriver:
 _NODE = re.compile(r"Error on Node (\d+): ")
 _STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>\d+))? failed in (?P<phase>\w+): "
                             r"(?P<type>\w+): (?P<message>.*)", re.DOTALL)
+
+
+def _pickled(spec: StageSpec, workers: Sequence[str]) -> bytes:
+    try:
+        return cloudpickle.dumps(spec)
+    except Exception as exc:  # a lock, an open file, another Pipe held by a layer
+        raise TypeError(f"stage {spec.index} cannot be sent to worker {workers[spec.index]!r}: its layers do not "
+                        f"pickle ({type(exc).__name__}: {exc}); build it there with Pipe.from_factories") from exc
 
 
 def _first_cause(failures: list[Failure]) -> StageError:

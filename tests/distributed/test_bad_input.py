@@ -1,5 +1,7 @@
 """Bad input, table-driven: the right exception type and a message naming the problem; afterwards the
 workers still run, hold no stray stages, and the RPC group still works."""
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,12 @@ def _shared_layer() -> nn.Sequential:
     layer, model = nn.Linear(2, 2), nn.Sequential()
     model._modules["a"], model._modules["b"] = layer, layer
     return model
+
+
+class HoldsALock(nn.Identity):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
 
 
 def _tied_head() -> nn.Sequential:
@@ -50,6 +58,9 @@ CONSTRUCTION = [
      ValueError, "device cuda:7 does not exist"),
     ("invalid device", lambda w: Pipe(lin(2), balance=[1, 1], devices=["cpu", "gpu0"], workers=w[:2]),
      ValueError, "invalid device 'gpu0'"),
+    ("layer that does not pickle", lambda w: Pipe(nn.Sequential(nn.Linear(2, 2), HoldsALock()), balance=[1, 1],
+                                                   workers=w[:2]), TypeError,
+     "stage 1 cannot be sent to worker 'worker2': its layers do not pickle .*lock"),
     ("tied weights across stages", lambda w: Pipe(_tied_head(), balance=[2, 2], workers=w[:2]), ValueError,
      "parameter '3.weight' of stage 1 is parameter '0.weight' of stage 0: stages on separate workers cannot share"),
 ]
