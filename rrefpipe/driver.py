@@ -270,6 +270,10 @@ class RemoteDriver:
             dead = self._unresponsive("the worker is unreachable", phase, message)
             if dead is not None:
                 return dead
+            if "timeout" in message:  # a backward hung in a layer leaves its worker's RPC thread free
+                hung = self._longest_backward(message)
+                if hung is not None:
+                    return hung
         for match in reversed(matches):
             node = int(match.group(1))
             if node < len(names) and names[node] in self.workers:
@@ -322,6 +326,23 @@ class RemoteDriver:
                 if busy is not None:
                     raise busy from cause
             raise cause
+
+    def _longest_backward(self, cause: str) -> StageError | None:
+        """A WorkerError for the stage whose unfinished backward has run longest, or None."""
+        running: list[tuple[float, int]] = []
+        for j, worker in enumerate(self.workers):
+            try:
+                age = rpc.rpc_sync(worker, server.backward_running, args=(self.pipe_id, j), timeout=2)
+            except Exception:
+                continue
+            if age is not None:
+                running.append((age, j))
+        if not running:
+            return None
+        age, j = max(running)
+        return Failure(j, self.workers[j], None, "backward", "WorkerError",
+                       f"its backward of a micro-batch has run for {age:.1f} s, past the RPC timeout: a layer's "
+                       f"backward hung or is very slow ({cause})", cause, transport=True).to_exception()
 
     def _unresponsive(self, why: str, phase: str = "forward", cause: str = "") -> StageError | None:
         """A WorkerError for the first stage worker that does not answer a ping within 2 s (dead, or

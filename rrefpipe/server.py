@@ -527,6 +527,11 @@ def backward_failure(pipe_id: str, index: int) -> Failure | None:
     return failures.pop() if failures else None
 
 
+def backward_running(pipe_id: str, index: int) -> float | None:
+    """Seconds this stage has been in the backward of its oldest unfinished micro-batch, if any."""
+    return _server(pipe_id, index).stage.backward_running()
+
+
 def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     """Tensors and bytes this stage received, by kind ('activation' or 'skip')."""
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}

@@ -177,6 +177,11 @@ class Stage:
 
         return run, outgoing
 
+    def backward_running(self) -> float | None:
+        """Seconds since the oldest micro-batch whose backward started here and has not ended, if any."""
+        starts = list(self._backward_starts.values())
+        return time.time() - min(starts) if starts else None
+
     def _backward_callback(self, step: int, i: int, edge: str) -> Callable[[], None]:
         """Backward of a stage starts when its output's gradient arrives and ends at its inputs'."""
         pending = self._backward_starts

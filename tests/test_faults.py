@@ -113,6 +113,35 @@ def test_a_stage_hung_past_the_rpc_timeout_is_the_one_named():
     assert float(v["surfaced"]) < 6
 
 
+def test_a_backward_hung_past_the_rpc_timeout_names_its_stage():
+    """Backward runs on the autograd thread, so the hung stage's worker still answers pings: the driver
+    asks each stage how long its unfinished backward has run (the error had named no stage)."""
+    v = _run("backward hung past the RPC timeout", """
+        class _Slow(torch.autograd.Function):  # the fault: the first backward blocks for 6 s
+            calls = 0
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+            @staticmethod
+            def backward(ctx, grad):
+                _Slow.calls += 1
+                if _Slow.calls == 1:
+                    time.sleep(6)
+                return grad
+        class HangsInBackwardOnce(nn.Module):
+            def forward(self, x):
+                return _Slow.apply(x)
+        model = nn.Sequential(nn.Linear(4, 4), HangsInBackwardOnce(), nn.Linear(4, 4))
+        with Pipe(model, chunks=1, balance=[1, 1, 1], rpc_timeout=2, checkpoint="never") as pipe:
+            try:
+                with dist_autograd.context() as ctx:
+                    pipe.backward(ctx, pipe(torch.randn(2, 4)).local_value().sum())
+            except WorkerError as exc:
+                report(stage=exc.stage, worker=exc.worker, hung="past the RPC timeout" in str(exc))
+    """)
+    assert (v["stage"], v["worker"], v["hung"]) == ("1", "worker2", "True")
+
+
 @pytest.mark.parametrize("layer, checkpoint, expected", [
     ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
     ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
