@@ -13,7 +13,8 @@ the first host's address on the network the hosts share and IFACE the interface 
 
 That is 2N-1 stages. On one host, for a try: ``torchrun --standalone --nproc-per-node 3 examples/multihost.py``
 (MASTER_ADDR is loopback, so everything binds to ``lo``). ``--cuda`` puts the stage of each rank on
-``cuda:LOCAL_RANK``, activations going GPU to GPU between hosts through TensorPipe device maps.
+``cuda:LOCAL_RANK`` (modulo the host's GPUs: on one GPU every stage shares ``cuda:0``), activations going
+GPU to GPU between hosts through TensorPipe device maps.
 
 Rank 0 prints the stages (layers, worker, device), the loss, samples/s, and the same training run in
 plain PyTorch for comparison.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
     p.add_argument("--width", type=int, default=128, help="width of the hidden layers (default: 128)")
     p.add_argument("--lr", type=float, default=0.03, help="SGD learning rate, momentum 0.9 (default: 0.03)")
-    p.add_argument("--cuda", action="store_true", help="each stage worker on cuda:LOCAL_RANK")
+    p.add_argument("--cuda", action="store_true", help="each stage worker on cuda:LOCAL_RANK (modulo the node's GPUs)")
     p.add_argument("--rpc-timeout", type=float, default=120, help="seconds an RPC may take (default: 120)")
     args = p.parse_args()
 
@@ -59,8 +59,8 @@ def main() -> None:
                                 devices="cuda" if args.cuda else None, threads=1) as stage_workers:
         # Only rank 0 gets here; stage_workers = ["worker1", ..., "worker<WORLD_SIZE-1>"].
         stages = len(stage_workers)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        devices = [f"cuda:{rank % local}" for rank in range(1, stages + 1)] if args.cuda else ["cpu"] * stages
+        group = workers.GroupEnv.from_environ()  # the same rule as devices="cuda" on each worker
+        devices = [group.cuda_device(rank) for rank in range(1, stages + 1)] if args.cuda else ["cpu"] * stages
         torch.manual_seed(0)
         classes = 5
         model, balance = make_model(stages, args.width, classes)

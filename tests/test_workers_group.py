@@ -2,6 +2,7 @@
 across hosts (their options only: this runs on CPU), interface naming; and the group on one host."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -55,6 +56,25 @@ def test_cuda_on_local_rank_maps_each_worker_to_every_later_one():
                                                            "worker3": {"cuda:1": "cuda:1"}})
     assert stage_devices(group(2), "cuda") == (["cuda:0"], {"worker3": {"cuda:0": "cuda:1"}})
     assert stage_devices(group(3), "cuda") == (["cuda:1"], {})  # the last stage sends to the driver on the CPU
+
+
+def test_cuda_wraps_around_the_gpus_of_a_node():
+    # One node, one GPU, three processes (a laptop or a one-GPU box): both stage workers on cuda:0.
+    one_gpu = [dataclasses.replace(group(r, world_size=3, local_world_size=3), gpus_per_node=1) for r in range(3)]
+    assert [one_gpu[0].cuda_device(r) for r in (1, 2)] == ["cuda:0", "cuda:0"]
+    assert stage_devices(one_gpu[1], "cuda") == (["cuda:0"], {"worker2": {"cuda:0": "cuda:0"}})
+    assert stage_devices(one_gpu[2], "cuda") == (["cuda:0"], {})
+    # Two GPUs, four processes per node: ranks 1, 2, 3 on cuda:1, cuda:0, cuda:1.
+    two_gpus = dataclasses.replace(group(1, local_world_size=4), gpus_per_node=2)
+    assert [two_gpus.cuda_device(r) for r in (1, 2, 3)] == ["cuda:1", "cuda:0", "cuda:1"]
+    no_gpu = dataclasses.replace(group(1), gpus_per_node=0)
+    with pytest.raises(RuntimeError, match="rank 1 on a GPU, but this node \\(worker1\\) sees no CUDA device"):
+        stage_devices(no_gpu, "cuda")
+    assert stage_devices(no_gpu, None) == (None, {})
+
+
+def test_group_counts_the_gpus_of_its_node():
+    assert GroupEnv.from_environ(TORCHRUN_ENV).gpus_per_node == torch.cuda.device_count()
 
 
 def test_one_device_per_stage_worker_like_pipe_devices():

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 import torch.distributed.rpc as rpc
 
 from .network import configure_interface
@@ -46,6 +47,10 @@ class GroupEnv:
     master_port: int
     local_rank: int
     local_world_size: int
+    #: CUDA devices each node has (``torch.cuda.device_count()`` here; every node is assumed alike, as
+    #: ``--nproc-per-node`` already assumes); ``None``: unknown, ``devices="cuda"`` then maps rank k to
+    #: ``cuda:LOCAL_RANK`` whatever the node has.
+    gpus_per_node: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> GroupEnv:
@@ -56,7 +61,7 @@ class GroupEnv:
                                "torchrun (or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as it does)")
         group = cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), master_addr=env["MASTER_ADDR"],
                     master_port=int(env["MASTER_PORT"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")))
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), gpus_per_node=torch.cuda.device_count())
         if group.world_size < 2:
             raise RuntimeError(f"WORLD_SIZE is {group.world_size}: a pipeline group needs rank 0 (the driver) and at "
                                "least one stage worker; launch with --nproc-per-node >= 2 or on several nodes")
@@ -72,14 +77,26 @@ class GroupEnv:
     def stage_workers(self) -> list[str]:
         return [f"worker{k}" for k in range(1, self.world_size)]
 
+    def cuda_device(self, rank: int) -> str:
+        """The GPU ``devices="cuda"`` gives the stage worker of ``rank``: ``cuda:LOCAL_RANK``, wrapped
+        around the node's GPUs when it runs more processes than it has GPUs (one GPU, three processes:
+        every stage on ``cuda:0``), so a one-GPU machine runs the same job as a node of eight."""
+        local_rank = self.local_rank if rank == self.rank else rank % self.local_world_size
+        if self.gpus_per_node is None:
+            return f"cuda:{local_rank}"
+        if self.gpus_per_node == 0:
+            raise RuntimeError(f"devices='cuda' puts rank {rank} on a GPU, but this node ({self.name}) sees no "
+                               "CUDA device: pass devices=None for CPU stages")
+        return f"cuda:{local_rank % self.gpus_per_node}"
+
 
 def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
                   device_maps: Mapping[str, DeviceMap] | None = None) -> tuple[list[str] | None, dict[str, dict[str, str]]]:
     """This rank's TensorPipe ``devices`` and device maps (pure; the driver keeps tensors on the CPU).
 
-    ``devices``: ``None`` (CPU stages), ``"cuda"`` (stage worker of rank k on ``cuda:LOCAL_RANK``; the
-    other workers' devices are derived assuming every node runs ``LOCAL_WORLD_SIZE`` processes, as
-    ``torchrun --nproc-per-node`` does), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
+    ``devices``: ``None`` (CPU stages), ``"cuda"`` (stage worker of rank k on ``cuda:LOCAL_RANK``, modulo
+    the node's GPUs, see :meth:`GroupEnv.cuda_device`; the other workers' devices are derived assuming
+    every node runs ``LOCAL_WORLD_SIZE`` processes and has as many GPUs as this one), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
     list as ``Pipe(devices=...)``), mapped as :func:`~workers.options.maps_to_later_workers` says.
     ``device_maps``, keyed by the *sending* worker's name (``{"worker1": {"worker2": {"cuda:0":
     "cuda:1"}}}``), adds or overrides entries for whichever rank has that name, so one literal serves the
@@ -89,7 +106,7 @@ def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
         if rank == 0:
             return "cpu"
         if devices == "cuda":
-            return f"cuda:{rank % group.local_world_size if rank != group.rank else group.local_rank}"
+            return group.cuda_device(rank)
         assert not isinstance(devices, str) and devices is not None
         return device_name(devices[rank - 1])
 
