@@ -19,7 +19,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from . import _rpc, microbatch, server
+from . import _rpc, autocast, microbatch, server
 from .dependency import new_phony
 from .errors import Failure, StageError, WorkerError, warn_user
 from .microbatch import TensorOrTensors
@@ -188,6 +188,7 @@ class RemoteDriver:
                 deliver_to=None if self.remote_output else _rpc.self_name(),
                 timeout=self.rpc_timeout,
                 per_message=self.microbatches_per_message,
+                autocast=autocast.capture(),
             )
             collector = _Collector()
             _collectors[(self.pipe_id, step)] = collector

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import _StopRecomputationError
 
-from . import microbatch
+from . import autocast, microbatch
+from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
 from .checkpoint import is_recomputing, run_checkpointed
 from .errors import Failure
@@ -39,6 +40,7 @@ class StepMeta:
     deliver_to: str | None  # the driver's worker name, or None to keep the output on the last stage
     timeout: float
     per_message: int = 1  # micro-batches per message from a stage to the next
+    autocast: tuple[AutocastRegion, ...] = ()  # the driver's autocast regions around the forward
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class Stage:
                 bn.start_minibatch(meta.chunks)
             self._backward_starts.clear()  # starts of a step whose backward never ran (eval in a context)
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
-        with torch.set_grad_enabled(meta.grad_enabled):
+        with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
             if inputs_need_grad:  # backward ends when the inputs' gradients are computed
