@@ -31,6 +31,16 @@ def current_context_id() -> int | None:
         return None
 
 
+def context_exists(context_id: int) -> bool:
+    """Whether this process holds the distributed-autograd context ``context_id`` (it is released at
+    the end of its ``with dist_autograd.context()``)."""
+    try:
+        dist_autograd._retrieve_context(context_id)
+    except RuntimeError:
+        return False
+    return True
+
+
 def prepare_reinit() -> None:
     """Reset the module-global counters ``init_rpc`` keys its rendezvous by.
 

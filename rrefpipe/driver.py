@@ -140,6 +140,12 @@ class RemoteDriver:
     def set_training(self, mode: bool) -> None:
         self._call_all(server.set_training, mode)
 
+    def gradient_norms(self, context_id: int, norm_type: float) -> list[float]:
+        return self._call_all(server.gradient_norm, context_id, norm_type)
+
+    def scale_gradients(self, context_id: int, factor: float) -> None:
+        self._call_all(server.scale_gradients, context_id, factor)
+
     def state_dict(self) -> dict[str, Tensor]:
         state: dict[str, Tensor] = {}
         for part in self._call_all(server.state_dict):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, microbatch
+from . import _rpc, clip, microbatch
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop, clock_cycles
 from .skip.layout import route
@@ -40,6 +40,15 @@ class LocalDriver:
     @property
     def infos(self) -> list[StageInfo]:
         return [stage.info() for stage in self.stages]
+
+    def _gradients(self, context_id: int) -> list[Tensor]:
+        return [g for stage in self.stages for g in clip.context_gradients(stage.module, context_id)]
+
+    def gradient_norms(self, context_id: int, norm_type: float) -> list[float]:
+        return [clip.gradient_norm(self._gradients(context_id), norm_type)]
+
+    def scale_gradients(self, context_id: int, factor: float) -> None:
+        torch._foreach_mul_(self._gradients(context_id), factor)
 
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
         batches = microbatch.scatter(value, self.chunks)

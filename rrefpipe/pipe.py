@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _rpc
+from . import _rpc, clip
 from .balance import balance_for_pipe
 from .batchnorm import DeferredBatchNorm
 from .driver import RemoteDriver
@@ -252,6 +252,33 @@ class Pipe(nn.Module):
         else:
             dist_autograd.backward(context_id, losses)
 
+    def clip_grad_norm_(self, context_id: int, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the stages' gradients in ``context_id``: call it after
+        backward and before ``DistributedOptimizer.step(context_id)``, which reads the clipped ones.
+
+        The norm is that of every stage's gradients taken together, and each stage scales its own on
+        its worker (one round trip per stage for the norms, one more only when they are clipped).
+
+        Returns:
+            The total norm before clipping, a 0-dim float32 tensor on the CPU.
+
+        Raises:
+            ValueError: ``max_norm`` below 0, ``norm_type`` not above 0.
+            RuntimeError: ``error_if_nonfinite`` and the total norm is inf or nan.
+            RuntimeError: ``context_id`` is not a live context (its ``with`` block has ended).
+            StageError: a stage failed.
+        """
+        clip.check_norm_type(max_norm, norm_type)
+        if not _rpc.context_exists(context_id):
+            raise RuntimeError(f"no dist_autograd context {context_id!r} in this process: call clip_grad_norm_ inside "
+                               "the `with dist_autograd.context() as context_id:` block, after backward")
+        total = clip.total_norm(self._driver.gradient_norms(context_id, norm_type), norm_type)
+        factor = clip.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
+        if factor is not None:
+            self._driver.scale_gradients(context_id, factor)
+        return total
+
     def train(self, mode: bool = True) -> Pipe:
         super().train(mode)
         if isinstance(self._driver, RemoteDriver):
@@ -263,7 +290,8 @@ class Pipe(nn.Module):
         built from an empty list trains nothing without a word, so iterating raises instead."""
         if isinstance(self._driver, RemoteDriver):
             raise TypeError("this Pipe's parameters live on its stage workers, so pipe.parameters() has none here: "
-                            "train them with DistributedOptimizer(optimizer_class, pipe.parameter_rrefs(), ...)")
+                            "train them with DistributedOptimizer(optimizer_class, pipe.parameter_rrefs(), ...) "
+                            "and clip their gradients with pipe.clip_grad_norm_(context_id, max_norm)")
         return super().named_parameters(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

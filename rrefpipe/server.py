@@ -25,7 +25,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.futures import Future
 
-from . import microbatch
+from . import clip, microbatch
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -491,6 +491,22 @@ def take_output(pipe_id: str, index: int, step: int) -> TensorOrTensors:
 
 def parameter_rrefs(pipe_id: str, index: int) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in _server(pipe_id, index).stage.module.parameters()]
+
+
+def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -> float:
+    """The norm of this stage's gradients in the context, after backward's last kernels."""
+    server = _server(pipe_id, index)
+    with server.stream.running():
+        return clip.gradient_norm(clip.context_gradients(server.stage.module, context_id), norm_type)
+
+
+def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) -> None:
+    """Scale this stage's gradients in the context in place, done before the reply: the optimizer's
+    step runs on another stream and is ordered only after backward's writes, not after these."""
+    server = _server(pipe_id, index)
+    with server.stream.running():
+        torch._foreach_mul_(clip.context_gradients(server.stage.module, context_id), factor)
+    server.stream.settle()
 
 
 def set_training(pipe_id: str, index: int, mode: bool) -> None:

@@ -228,6 +228,16 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
             torch.testing.assert_close(p.grad, q.grad)
         kinds = [e.kind for e in pipe.execution_record()]
         assert kinds.count("recompute") == 2 * 8, kinds
+        import torch.distributed.autograd as dist_autograd      # or a context, as with stage workers
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, pipe(x).local_value().sum())
+            total = pipe.clip_grad_norm_(ctx, 0.1)
+            grads = dist_autograd.get_gradients(ctx)
+        ref.zero_grad()
+        ref(x).sum().backward()
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(grads[p], q.grad)
         rpc.shutdown()
     """)
 

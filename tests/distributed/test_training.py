@@ -54,6 +54,8 @@ def test_old_style_optimizer_second_backward_and_unused_forward_are_refused_at_o
     with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
         with pytest.raises(TypeError, match=r"parameter_rrefs\(\)"):
             torch.optim.SGD(pipe.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match=r"pipe.clip_grad_norm_\(context_id, max_norm\)"):
+            torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1.0)
         pipe.zero_grad()  # old training loops call it: nothing to zero on the workers
         with dist_autograd.context() as ctx:
             pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
