@@ -86,6 +86,39 @@ def training_with_distributed_optimizer() -> None:
         torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-3, atol=1e-4)
 
 
+def autocast_and_clipping() -> None:
+    """bfloat16 autocast around the forward on GPU stages, and gradients clipped across the stages
+    before the optimizer's step: the same weights as plain training on the GPU, to bfloat16's rounding."""
+    from torch.distributed.optim import DistributedOptimizer
+
+    kind = torch.device(GPU).type
+    model = mlp([10, 32, 32, 4], seed=7)
+    reference = copy.deepcopy(model).to(GPU)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    with Pipe(model, chunks=2, balance=[3, 2], devices=[GPU, GPU]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.5)
+        for x, y in blobs(3, 8):
+            with dist_autograd.context() as ctx:
+                with torch.autocast(kind, dtype=torch.bfloat16):
+                    out = pipe(x).local_value()
+                assert out.dtype == torch.bfloat16
+                pipe.backward(ctx, nn.functional.cross_entropy(out.float(), y))
+                total = pipe.clip_grad_norm_(ctx, 0.01)
+                opt.step(ctx)
+            plain_opt.zero_grad()
+            outs = []
+            for part in x.to(GPU).chunk(2):  # a region per micro-batch, as on the stages
+                with torch.autocast(kind, dtype=torch.bfloat16):
+                    outs.append(reference(part))
+            nn.functional.cross_entropy(torch.cat(outs).float(), y.to(GPU)).backward()
+            torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01).cpu(),
+                                       rtol=1e-2, atol=1e-3)
+            plain_opt.step()
+        trained = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-2, atol=1e-3)
+
+
 GPU_SLEEP = 200_000_000  # cycles of torch.cuda._sleep: about 0.1 s of an H100
 
 

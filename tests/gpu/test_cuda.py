@@ -56,6 +56,10 @@ def test_optimizer_steps_are_ordered_after_backward_and_before_the_next_forward(
     scenario("optimizer_steps_are_ordered()")
 
 
+def test_autocast_and_gradient_clipping_on_gpu_stages():
+    scenario("autocast_and_clipping()")
+
+
 def test_automatic_balance_on_the_gpu():
     scenario("automatic_balance()")
 
