@@ -140,7 +140,7 @@ class RemoteDriver:
     def set_training(self, mode: bool) -> None:
         self._call_all(server.set_training, mode)
 
-    def gradient_norms(self, context_id: int, norm_type: float) -> list[float]:
+    def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
         return self._call_all(server.gradient_norm, context_id, norm_type)
 
     def scale_gradients(self, context_id: int, factor: float) -> None:

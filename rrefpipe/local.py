@@ -44,11 +44,11 @@ class LocalDriver:
     def _gradients(self, context_id: int) -> list[Tensor]:
         return [g for stage in self.stages for g in clip.context_gradients(stage.module, context_id)]
 
-    def gradient_norms(self, context_id: int, norm_type: float) -> list[float]:
+    def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
         return [clip.gradient_norm(self._gradients(context_id), norm_type)]
 
     def scale_gradients(self, context_id: int, factor: float) -> None:
-        torch._foreach_mul_(self._gradients(context_id), factor)
+        clip.scale(self._gradients(context_id), factor)
 
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
         batches = microbatch.scatter(value, self.chunks)

@@ -252,7 +252,7 @@ class Pipe(nn.Module):
         else:
             dist_autograd.backward(context_id, losses)
 
-    def clip_grad_norm_(self, context_id: int, max_norm: float, norm_type: float = 2.0,
+    def clip_grad_norm_(self, context_id: int, max_norm: float | Tensor, norm_type: float | str | Tensor = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for the stages' gradients in ``context_id``: call it after
         backward and before ``DistributedOptimizer.step(context_id)``, which reads the clipped ones.
@@ -261,15 +261,17 @@ class Pipe(nn.Module):
         its worker (one round trip per stage for the norms, one more only when they are clipped).
 
         Returns:
-            The total norm before clipping, a 0-dim float32 tensor on the CPU.
+            The total norm before clipping, a 0-dim tensor on the CPU, taken in float32 at least
+            (float64 for float64 gradients); 0 where no stage has gradients in the context.
 
         Raises:
-            ValueError: ``max_norm`` below 0, ``norm_type`` not above 0.
+            TypeError, ValueError: ``max_norm`` not a number >= 0, ``norm_type`` not one > 0.
             RuntimeError: ``error_if_nonfinite`` and the total norm is inf or nan.
             RuntimeError: ``context_id`` is not a live context (its ``with`` block has ended).
             StageError: a stage failed.
         """
-        clip.check_norm_type(max_norm, norm_type)
+        max_norm = clip.as_number("max_norm", max_norm, positive=False)
+        norm_type = clip.as_number("norm_type", norm_type, positive=True)
         if not _rpc.context_exists(context_id):
             raise RuntimeError(f"no dist_autograd context {context_id!r} in this process: call clip_grad_norm_ inside "
                                "the `with dist_autograd.context() as context_id:` block, after backward")

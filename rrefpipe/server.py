@@ -493,7 +493,7 @@ def parameter_rrefs(pipe_id: str, index: int) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in _server(pipe_id, index).stage.module.parameters()]
 
 
-def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -> float:
+def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -> Tensor | None:
     """The norm of this stage's gradients in the context, after backward's last kernels."""
     server = _server(pipe_id, index)
     with server.stream.running():
@@ -505,7 +505,7 @@ def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) ->
     step runs on another stream and is ordered only after backward's writes, not after these."""
     server = _server(pipe_id, index)
     with server.stream.running():
-        torch._foreach_mul_(clip.context_gradients(server.stage.module, context_id), factor)
+        clip.scale(clip.context_gradients(server.stage.module, context_id), factor)
     server.stream.settle()
 
 

@@ -81,6 +81,13 @@ class Merge(nn.Module):
         return torch.cat([a * b, a + b], dim=1)
 
 
+class AutocastProbe(nn.Module):
+    """Adds 1 where autocast's weight cache is on: shows whether a stage got the caller's setting."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + float(torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())
+
+
 class Parent(nn.Module):
     """Holds a pipe beside a layer of its own, so that state dicts nest: keys ``head.*`` and ``pipe.*``."""
 

@@ -85,8 +85,9 @@ class GroupEnv:
         if self.gpus_per_node is None:
             return f"cuda:{local_rank}"
         if self.gpus_per_node == 0:
-            raise RuntimeError(f"devices='cuda' puts rank {rank} on a GPU, but this node ({self.name}) sees no "
-                               "CUDA device: pass devices=None for CPU stages")
+            raise RuntimeError(f"devices='cuda' puts rank {rank} on a GPU, but this node ({self.name}) sees no CUDA "
+                               "device, and every node is taken to have as many GPUs as this one: pass devices=None "
+                               "for CPU stages, or one device per stage worker")
         return f"cuda:{local_rank % self.gpus_per_node}"
 
 

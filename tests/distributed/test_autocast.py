@@ -8,6 +8,7 @@ from torch import nn
 
 from rrefpipe import Pipe
 from tests.distributed.probes import stage_gradients
+from tests.layers import AutocastProbe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,17 +40,19 @@ def test_stages_compute_in_the_callers_autocast_dtype(cluster, checkpoint):
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, expected)
         for name, p in plain.named_parameters():
-            assert grads[name].dtype == torch.float32  # parameters stay float32, as autocast leaves them
             torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
         with torch.no_grad():  # the region ended with the caller's: the next forward is float32 again
             torch.testing.assert_close(pipe(x).local_value(), plain(x))
 
 
-def test_a_disabled_region_and_its_dtype_are_carried(cluster):
-    plain = model()
+def test_the_regions_dtype_cache_and_a_disabled_one_inside_are_carried(cluster):
+    plain = nn.Sequential(*model(), AutocastProbe())
     x = torch.randn(4, 8)
-    with Pipe(copy.deepcopy(plain), chunks=2, balance=[3, 2], workers=cluster.names[:2]) as pipe, torch.no_grad():
-        with torch.autocast("cpu", dtype=torch.float16):
-            assert pipe(x).local_value().dtype == torch.float16
-            with torch.autocast("cpu", enabled=False):
-                torch.testing.assert_close(pipe(x).local_value(), plain(x))
+    with Pipe(copy.deepcopy(plain), chunks=2, balance=[3, 3], workers=cluster.names[:2]) as pipe, torch.no_grad():
+        for cache in (True, False):
+            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=cache):
+                out = pipe(x).local_value()
+                assert out.dtype == torch.float16
+                torch.testing.assert_close(out, torch.cat([plain(part) for part in x.chunk(2)]))
+                with torch.autocast("cpu", enabled=False):
+                    torch.testing.assert_close(pipe(x).local_value(), plain(x))

@@ -104,6 +104,7 @@ def autocast_and_clipping() -> None:
                 assert out.dtype == torch.bfloat16
                 pipe.backward(ctx, nn.functional.cross_entropy(out.float(), y))
                 total = pipe.clip_grad_norm_(ctx, 0.01)
+                grads = probes.stage_gradients(pipe, ctx)
                 opt.step(ctx)
             plain_opt.zero_grad()
             outs = []
@@ -113,6 +114,8 @@ def autocast_and_clipping() -> None:
             nn.functional.cross_entropy(torch.cat(outs).float(), y.to(GPU)).backward()
             torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01).cpu(),
                                        rtol=1e-2, atol=1e-3)
+            for name, p in reference.named_parameters():  # clipped by the total norm (to 0.01 together)
+                torch.testing.assert_close(grads[name], p.grad.cpu(), rtol=1e-2, atol=1e-5)
             plain_opt.step()
         trained = pipe.state_dict()
     for key, value in reference.state_dict().items():
