@@ -135,6 +135,11 @@ def accuracy(forward: Callable[[Tensor], Tensor], x: Tensor, y: Tensor) -> float
         return float((forward(x).argmax(1) == y).float().mean())
 
 
+def mixed_precision(args: argparse.Namespace) -> torch.autocast:
+    """bfloat16 autocast around the forward with --bf16, else a region that changes nothing."""
+    return torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.bf16)
+
+
 def run_plain(model: nn.Sequential, data: tuple[Tensor, Tensor, Tensor, Tensor], args: argparse.Namespace) -> Result:
     device = torch.device(args.device if args.device == "cpu" else "cuda:0")
     model = model.to(device)
@@ -146,8 +151,12 @@ def run_plain(model: nn.Sequential, data: tuple[Tensor, Tensor, Tensor, Tensor],
 
     def step(x: Tensor, y: Tensor) -> float:
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        with mixed_precision(args):
+            out = model(x.to(device))
+        loss = F.cross_entropy(out.float(), y.to(device))
         loss.backward()
+        if args.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         opt.step()
         return loss.item()
 
@@ -189,8 +198,12 @@ def run_pipe(model: nn.Sequential, data: tuple[Tensor, Tensor, Tensor, Tensor], 
 
         def step(x: Tensor, y: Tensor) -> float:
             with dist_autograd.context() as ctx:
-                loss = F.cross_entropy(pipe(x).local_value(), y)
-                dist_autograd.backward(ctx, [loss])
+                with mixed_precision(args):  # reaches the stages
+                    out = pipe(x).local_value()
+                loss = F.cross_entropy(out.float(), y)
+                pipe.backward(ctx, loss)
+                if args.clip_grad_norm:  # by the norm of all stages' gradients together
+                    pipe.clip_grad_norm_(ctx, args.clip_grad_norm)
                 opt.step(ctx)
             return loss.item()
 
@@ -242,6 +255,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16, help="channels of the first blocks (default: 16)")
     p.add_argument("--blocks", type=int, default=2, help="residual blocks per resolution (default: 2)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)")
+    p.add_argument("--bf16", action="store_true", help="forward under torch.autocast in bfloat16 (both runs)")
+    p.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="MAX",
+                   help="clip the gradients' total norm to MAX before each step (0: no clipping)")
     p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
     p.add_argument("--deferred-batch-norm", action="store_true",
                    help="pipe: BatchNorm running statistics over the whole mini-batch, not per micro-batch")

@@ -52,3 +52,16 @@ def test_checkpointing_keeps_less_for_backward_on_every_stage(tmp_path):
         (pipe,) = json.loads(path.read_text())
         peaks[mode] = [r["saved_peak"] for r in pipe["memory"]]
     assert all(a < b for a, b in zip(peaks["always"], peaks["never"])), peaks
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_in_bfloat16_with_clipped_gradients(tmp_path):
+    """--bf16 and --clip-grad-norm: autocast around both runs' forward (reaching the stages) and
+    clipping by the norm of all stages' gradients; both still learn, to the same accuracy here."""
+    path = tmp_path / "results.json"
+    proc = run_tutorial("--mode", "both", "--epochs", "1", "--max-steps", "30", "--batch-size", "32", "--chunks", "2",
+                        "--balance-by", "uniform", "--threads", "1", "--bf16", "--clip-grad-norm", "1.0",
+                        "--results-json", str(path))
+    plain, pipe = json.loads(path.read_text())
+    assert plain["accuracy"] > 3 * CHANCE and pipe["accuracy"] > 3 * CHANCE, proc.stdout
+    assert abs(plain["accuracy"] - pipe["accuracy"]) < 0.05, proc.stdout
