@@ -266,8 +266,8 @@ class Pipe(nn.Module):
 
         Raises:
             TypeError, ValueError: ``max_norm`` not a number >= 0, ``norm_type`` not one > 0.
-            RuntimeError: ``error_if_nonfinite`` and the total norm is inf or nan.
-            RuntimeError: ``context_id`` is not a live context (its ``with`` block has ended).
+            RuntimeError: ``context_id`` is not a live context (its ``with`` block has ended), or
+                ``error_if_nonfinite`` and the total norm is inf or nan.
             StageError: a stage failed.
         """
         max_norm = clip.as_number("max_norm", max_norm, positive=False)
