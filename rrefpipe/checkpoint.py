@@ -12,9 +12,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["run_checkpointed", "is_checkpointing", "is_recomputing", "recomputing", "warm_up"]
+from . import microbatch
+
+__all__ = ["run_checkpointed", "first_layer_in_place", "is_checkpointing", "is_recomputing", "recomputing",
+           "warm_up"]
 
 _state = threading.local()
 
@@ -40,9 +44,31 @@ def recomputing(flag: bool) -> Iterator[None]:
         _state.recomputing = previous
 
 
-def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
+def first_layer_in_place(module: nn.Module) -> bool:
+    """Whether ``module``'s first layer (through nested ``nn.Sequential``) is one that overwrites its
+    input, such as ``nn.ReLU(inplace=True)``: a stage that starts with one must recompute from a copy.
+    A stage boundary can fall right before such a layer, automatic balancing included."""
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return bool(getattr(module, "inplace", False))
+
+
+def _versions(value: Any) -> list[int]:
+    return [t._version for t in microbatch.as_tensors(value)]
+
+
+def _copied(value: Any) -> Any:
+    return microbatch.apply(Tensor.clone, value)
+
+
+def run_checkpointed(fn: Callable[[Any], Any], value: Any, copy_input: bool = False) -> Any:
     """``fn(value)`` keeping only its input; the forward is re-run when backward needs activations,
     with :func:`is_recomputing` true during the re-runs.
+
+    Checkpointing keeps ``value`` to recompute from, so ``fn`` must not modify it in place. With
+    ``copy_input`` each run starts from a copy of it (see :func:`first_layer_in_place`); without, a
+    run that modified it raises at once, naming the cause, instead of backward failing later on a
+    version-counter check that distributed autograd reports only as "python_error".
 
     An exception of the first run is raised only after ``checkpoint`` has closed its forward context.
     torch 2.11 (not 2.13) leaves that context, a saved-tensor hook, pushed on the calling thread when
@@ -51,6 +77,7 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
     fails (``python_error``)."""
     calls = 0
     failed: list[BaseException] = []
+    run: Callable[[Any], Any] = (lambda v: fn(_copied(v))) if copy_input else fn
 
     def counted(v: Any) -> Any:
         nonlocal calls
@@ -58,10 +85,17 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any) -> Any:
         calls += 1
         with recomputing(again):
             if again:
-                return fn(v)
+                return run(v)
             _state.checkpointing = True
             try:
-                return fn(v)
+                before = _versions(v)
+                out = run(v)
+                if _versions(v) != before:
+                    raise RuntimeError(
+                        "a layer modified the stage's input in place (e.g. an in-place activation or `x.add_()` "
+                        "in its first layer's forward), but checkpointing keeps that input to recompute from "
+                        "in backward: use the layer's out-of-place form, or checkpoint='never'")
+                return out
             except BaseException as exc:  # raised again below, whatever it is
                 failed.append(exc)
                 return None

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import _StopRecomputationError
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .checkpoint import is_recomputing, run_checkpointed
+from .checkpoint import first_layer_in_place, is_recomputing, run_checkpointed
 from .errors import Failure
 from .dependency import after_parameter_grads, fork, hop, mark, new_phony
 from .microbatch import TensorOrTensors
@@ -87,6 +87,7 @@ class Stage:
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._plain_norms = plain_batch_norms(module)  # frozen while recomputing
         self._skippable = any(True for _ in skippable_layers(self.module))  # else no skip tracker is needed
+        self._copy_input = first_layer_in_place(self.module)  # checkpointing recomputes from the input
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
 
@@ -118,7 +119,7 @@ class Stage:
             if inputs_need_grad:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
             fn, outgoing = self._runner(meta.step, i, received)
-            out = run_checkpointed(fn, value) if checkpointed else fn(value)
+            out = run_checkpointed(fn, value, self._copy_input) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
                 out = tuple(out)

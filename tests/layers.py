@@ -287,3 +287,10 @@ class RaiseInRecompute(nn.Module):
         if is_recomputing():
             raise IndexError("only on recompute")
         return torch.tanh(x)  # saves its output, so backward needs the recomputation
+
+
+class DoubleInPlace(nn.Module):
+    """Modifies its input in place, with nothing on the module to say so (no ``inplace`` flag)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)

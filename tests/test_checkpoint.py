@@ -1,10 +1,11 @@
 """Activation checkpointing of a stage (in one process): recomputation and failures."""
 import pytest
 import torch
+from torch import nn
 
 import rrefpipe.checkpoint
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
-from rrefpipe.checkpoint import run_checkpointed
+from rrefpipe.checkpoint import first_layer_in_place, run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():
@@ -82,3 +83,47 @@ def test_a_failed_recomputation_raises_in_backward():
     with pytest.raises(RuntimeError, match="changed its mind"):
         out.sum().backward()
     assert calls == [False, True]
+
+
+def test_first_layer_in_place_looks_through_nested_sequentials():
+    assert first_layer_in_place(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2)))
+    assert first_layer_in_place(nn.Sequential(nn.Sequential(nn.Dropout(inplace=True)), nn.ReLU()))
+    assert not first_layer_in_place(nn.Sequential(nn.ReLU(), nn.ReLU(inplace=True)))
+    assert not first_layer_in_place(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
+    assert not first_layer_in_place(nn.Sequential())
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_a_copied_input_may_be_modified_in_place(requires_grad):
+    """An in-place first layer changes the copy: the recomputation starts from the same input, and the
+    gradients are those of the plain module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    h = x.clone().requires_grad_(requires_grad)
+    out = run_checkpointed(model, h, copy_input=True)
+    torch.testing.assert_close(h, x)  # untouched
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_in = x.clone().requires_grad_(requires_grad)
+    ref = model(ref_in * 1)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, want)
+    if requires_grad:
+        torch.testing.assert_close(h.grad, ref_in.grad)
+
+
+def test_an_input_modified_in_place_is_refused_in_forward():
+    """Without the copy, backward would fail on a version counter (over distributed autograd only as
+    "python_error"): the forward says why at once."""
+    def double(x):
+        return x.mul_(2) + 1
+
+    x = torch.randn(3, requires_grad=True) * 1
+    with pytest.raises(RuntimeError, match="modified the stage's input in place"):
+        run_checkpointed(double, x)
+    y = torch.randn(3, requires_grad=True) * 1
+    run_checkpointed(torch.exp, y).sum().backward()  # the thread's checkpointing still works

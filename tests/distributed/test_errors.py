@@ -7,7 +7,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe, StageError
-from tests.layers import SENTINEL, Boom, Misbehaves, PopAdd, StashUnlessSentinel, ToDict, Transpose
+from tests.layers import SENTINEL, Boom, DoubleInPlace, Misbehaves, PopAdd, StashUnlessSentinel, ToDict, Transpose
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,6 +76,22 @@ def test_odd_exceptions_fail_the_step_not_the_worker(cluster, kind, reported):
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
         _fails_then_works(pipe, model, _pass_through_first_layer(pipe, model),
                           f"stage 1 on worker 'worker2', micro-batch 0 failed in forward: {reported}")
+
+
+def test_an_unflagged_in_place_first_layer_is_named_in_forward(cluster):
+    """A stage whose first layer overwrites its input without an ``inplace`` flag cannot be
+    checkpointed: the forward names the stage and the cause, where backward would have failed as
+    "python_error"; the stage still works without gradients."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 4), DoubleInPlace(), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    with Pipe(model, chunks=2, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context():
+            with pytest.raises(StageError, match="modified the stage's input in place") as info:
+                pipe(x)
+        assert (info.value.stage, info.value.worker, info.value.microbatch) == (1, "worker2", 0)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x).local_value(), model(x))
 
 
 def test_backward_in_a_context_whose_forward_failed_is_refused_at_once(cluster):

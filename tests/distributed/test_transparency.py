@@ -23,6 +23,18 @@ def test_outputs_and_gradients_match_plain_model(cluster, stages, checkpoint, ch
         check_transparent(pipe, model, x)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_in_place_first_layer_after_a_boundary(cluster, checkpoint):
+    """ReLU(inplace=True) as a stage's first layer (as automatic balancing may cut a ResNet): the
+    checkpointed stage recomputes from a copy of its input, which the layer would otherwise overwrite."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Sequential(torch.nn.ReLU(inplace=True)),
+                                torch.nn.Linear(8, 8), torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(8, 3))
+    x = torch.randn(8, 5, requires_grad=True)
+    with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 2, 2], workers=cluster.names[:3]) as pipe:
+        check_transparent(pipe, model, x)
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_tuple_boundaries_between_workers(cluster, checkpoint):
     torch.manual_seed(3)
