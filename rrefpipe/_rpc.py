@@ -7,6 +7,10 @@ import torch.distributed.rpc.api as rpc_api
 
 __all__: list[str] = []
 
+#: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long. The
+#: driver's and the stage workers' default (``workers`` re-exports it).
+DEFAULT_RPC_TIMEOUT = 120.0
+
 
 def is_initialized() -> bool:
     """Whether this process has a current RPC agent (``init_rpc`` ran and no shutdown since)."""

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _rpc, clip
+from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import DeferredBatchNorm
 from .driver import RemoteDriver
@@ -32,7 +33,6 @@ from .trace import Event
 
 __all__ = ["Pipe"]
 
-DEFAULT_RPC_TIMEOUT = 120.0
 StageFactory = Callable[[], nn.Module]
 
 

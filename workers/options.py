@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
+from rrefpipe._rpc import DEFAULT_RPC_TIMEOUT
+
 __all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STAGE_INTEROP_THREADS",
            "STAGE_RPC_THREADS", "backend_options", "device_name", "init_rpc", "maps_to_later_workers",
            "parse_device_map"]
 
-#: Seconds an RPC may take. A dead peer fails at once ("eof"); only a hung one waits this long.
-DEFAULT_RPC_TIMEOUT = 120.0
 
 #: Transports for processes on one host. The shared-memory transport busy-polls about half a core per
 #: idle process (measured on the 2-core development machine), which on a small machine steals the
