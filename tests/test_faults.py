@@ -168,6 +168,30 @@ def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, check
     assert v["next_step"] == "ok"
 
 
+def test_ctrl_c_during_a_forward_interrupts_it_and_the_pipe_still_trains():
+    """KeyboardInterrupt reaches the caller while stage 1 still computes; the workers finish the
+    abandoned step on their own, and the next steps give the plain model's outputs and gradients."""
+    v = _run("Ctrl-C during a forward", """
+        from tests.distributed.probes import check_transparent
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), layers.InterruptDriver(), nn.Tanh(), nn.Linear(6, 2))
+        pipe = Pipe(model, chunks=4, balance=[1, 2, 1])
+        t = time.monotonic()
+        try:
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(torch.randn(8, 4)).local_value().sum())
+            report(interrupted=False)
+        except KeyboardInterrupt:
+            report(interrupted=True, surfaced=time.monotonic() - t)
+        for _ in range(2):
+            check_transparent(pipe, model, torch.randn(8, 4, requires_grad=True))
+        report(next_steps="ok")
+        pipe.close()
+    """)
+    assert v["interrupted"] == "True"
+    assert v["next_steps"] == "ok"
+
+
 def test_interpreter_exit_with_a_dead_worker_is_prompt():
     start = time.monotonic()
     v = _run("exit with a dead worker", """
