@@ -17,8 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import microbatch
 
-__all__ = ["run_checkpointed", "first_layer_in_place", "is_checkpointing", "is_recomputing", "recomputing",
-           "warm_up"]
+__all__ = ["run_checkpointed", "overwrites_input", "is_checkpointing", "is_recomputing", "recomputing", "warm_up"]
 
 _state = threading.local()
 
@@ -44,10 +43,10 @@ def recomputing(flag: bool) -> Iterator[None]:
         _state.recomputing = previous
 
 
-def first_layer_in_place(module: nn.Module) -> bool:
-    """Whether ``module``'s first layer (through nested ``nn.Sequential``) is one that overwrites its
-    input, such as ``nn.ReLU(inplace=True)``: a stage that starts with one must recompute from a copy.
-    A stage boundary can fall right before such a layer, automatic balancing included."""
+def overwrites_input(module: nn.Module) -> bool:
+    """Whether ``module`` overwrites its input: it is, or starts with (through nested ``nn.Sequential``),
+    a layer that says so, such as ``nn.ReLU(inplace=True)``. A stage that starts with one must recompute
+    from a copy; a stage boundary can fall right before one, automatic balancing included."""
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
     return bool(getattr(module, "inplace", False))
@@ -66,7 +65,7 @@ def run_checkpointed(fn: Callable[[Any], Any], value: Any, copy_input: bool = Fa
     with :func:`is_recomputing` true during the re-runs.
 
     Checkpointing keeps ``value`` to recompute from, so ``fn`` must not modify it in place. With
-    ``copy_input`` each run starts from a copy of it (see :func:`first_layer_in_place`); without, a
+    ``copy_input`` each run starts from a copy of it (see :func:`overwrites_input`); without, a
     run that modified it raises at once, naming the cause, instead of backward failing later on a
     version-counter check that distributed autograd reports only as "python_error".
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import _StopRecomputationError
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .checkpoint import first_layer_in_place, is_recomputing, run_checkpointed
+from .checkpoint import is_recomputing, overwrites_input, run_checkpointed
 from .errors import Failure
 from .dependency import after_parameter_grads, fork, hop, mark, new_phony
 from .microbatch import TensorOrTensors
@@ -87,7 +87,7 @@ class Stage:
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._plain_norms = plain_batch_norms(module)  # frozen while recomputing
         self._skippable = any(True for _ in skippable_layers(self.module))  # else no skip tracker is needed
-        self._copy_input = first_layer_in_place(self.module)  # checkpointing recomputes from the input
+        self._copy_input = overwrites_input(self.module)  # checkpointing recomputes from the input
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
 

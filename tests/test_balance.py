@@ -146,6 +146,23 @@ def test_time_isolates_a_layer_a_hundred_times_slower():
     assert balance_by_time(2, model, torch.randn(256, 1024), timeout=0.3) == [1, 4]
 
 
+def test_in_place_layers_are_profiled_on_a_copy_of_their_input():
+    """Each layer's input is a detached leaf that requires grad, which ``nn.ReLU(inplace=True)`` may not
+    overwrite: profiling gives it a copy (ResNets use such layers everywhere). Sizes equal those of the
+    out-of-place model (ReLU saves its result either way)."""
+    torch.manual_seed(0)
+    def build(inplace):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=inplace), nn.Linear(16, 16),
+                             nn.Sequential(nn.ReLU(inplace=inplace)), nn.Linear(16, 2))
+    x = torch.randn(12, 8)
+    inplace, plain = build(True), build(False)
+    assert layer_sizes(inplace, x, chunks=3) == layer_sizes(plain, x, chunks=3)
+    times = layer_times(inplace, x, timeout=0.05)
+    assert len(times) == 5 and all(t > 0 for t in times)
+    assert len(balance_by_time(2, inplace, x, timeout=0.05)) == 2
+    assert balance_by_size(2, inplace, x, chunks=3) == balance_by_size(2, plain, x, chunks=3)
+
+
 def test_clear_errors():
     model = mlp([4, 8, 4])  # 3 layers
     with pytest.raises(ValueError, match="more partitions than layers"):

@@ -5,7 +5,7 @@ from torch import nn
 
 import rrefpipe.checkpoint
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
-from rrefpipe.checkpoint import first_layer_in_place, run_checkpointed
+from rrefpipe.checkpoint import overwrites_input, run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():
@@ -85,12 +85,12 @@ def test_a_failed_recomputation_raises_in_backward():
     assert calls == [False, True]
 
 
-def test_first_layer_in_place_looks_through_nested_sequentials():
-    assert first_layer_in_place(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2)))
-    assert first_layer_in_place(nn.Sequential(nn.Sequential(nn.Dropout(inplace=True)), nn.ReLU()))
-    assert not first_layer_in_place(nn.Sequential(nn.ReLU(), nn.ReLU(inplace=True)))
-    assert not first_layer_in_place(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
-    assert not first_layer_in_place(nn.Sequential())
+def test_overwrites_input_looks_through_nested_sequentials():
+    assert overwrites_input(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2)))
+    assert overwrites_input(nn.Sequential(nn.Sequential(nn.Dropout(inplace=True)), nn.ReLU()))
+    assert not overwrites_input(nn.Sequential(nn.ReLU(), nn.ReLU(inplace=True)))
+    assert not overwrites_input(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
+    assert not overwrites_input(nn.Sequential())
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import microbatch
+from ..checkpoint import overwrites_input
 from ..microbatch import TensorOrTensors
 
 __all__ = ["layer_times", "layer_sizes", "sandbox", "resolve_device", "param_bytes", "storage_key", "storage_bytes"]
@@ -62,6 +63,12 @@ def _detach(value: object, where: str) -> TensorOrTensors:
     return microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)  # type: ignore[arg-type]
 
 
+def _input_for(layer: nn.Module, value: TensorOrTensors) -> TensorOrTensors:
+    """``value``, or a copy for a layer that overwrites its input (``nn.ReLU(inplace=True)``): autograd
+    refuses in-place changes of a leaf that requires grad, which each layer's detached input is."""
+    return microbatch.apply(Tensor.clone, value) if overwrites_input(layer) else value
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -83,6 +90,7 @@ def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.
     times = []
     value = _prepare(sample, device, "sample")
     for j, layer in enumerate(layers):
+        value = _input_for(layer, value)  # the copy is not timed
         _sync(device)
         start = time.perf_counter()
         with _blamed_on(j, layer):
@@ -190,6 +198,7 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
     with sandbox(module, dev) as layers:
         value = _prepare(micro, dev, "input")
         for j, layer in enumerate(layers):
+            value = _input_for(layer, value)
             with _blamed_on(j, layer):
                 if dev.type == "cuda":
                     activation, out = _allocated_bytes(layer, value, dev)
