@@ -45,6 +45,18 @@ def context_exists(context_id: int) -> bool:
     return True
 
 
+def in_graceful_shutdown() -> bool:
+    """Whether this process waits in a graceful ``rpc.shutdown()``: torch's ``_all_gather`` of every
+    worker's name, which returns only once each member of the group has called it too. This process has
+    given its own name to the gather (as leader), or is waiting for the leader's answer (as follower).
+    The gather that ``init_rpc`` runs is over by the time anyone asks."""
+    me = self_name()
+    with rpc_api._all_gather_dict_lock:
+        states = list(rpc_api._all_gather_sequence_id_to_states.values())
+    return any(not state.proceed_signal.is_set() and (me in state.gathered_objects or not state.gathered_objects)
+               for state in states)
+
+
 def prepare_reinit() -> None:
     """Reset the module-global counters ``init_rpc`` keys its rendezvous by.
 

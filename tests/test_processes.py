@@ -470,6 +470,38 @@ def test_close_is_prompt_with_a_forked_child_or_after_the_user_shut_rpc_down():
         assert float(line.split("took=")[1].split()[0]) < 5, line
 
 
+def test_the_users_graceful_rpc_shutdown_returns_with_local_workers():
+    """rpc.shutdown() (graceful, the default), as at the end of a PyTorch-1.8-style script, waits until
+    every worker of the group calls it too; the local workers never did, and it waited forever. They
+    now join it at their next ping of the driver, here after training with DistributedOptimizer and
+    with a forward's remote reference still held."""
+    out = run_script("""
+        import time, torch, torch.distributed.autograd as dist_autograd
+        import torch.distributed.rpc as rpc
+        from torch import nn
+        from torch.distributed.optim import DistributedOptimizer
+        from rrefpipe import Pipe
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2, balance=[1, 1])
+        procs = pipe._local_workers._procs
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+            opt.step(ctx)
+        with torch.no_grad():
+            out = pipe(torch.randn(4, 4))
+        t = time.monotonic()
+        rpc.shutdown()
+        shut = time.monotonic() - t
+        t = time.monotonic()
+        pipe.close()
+        print(f"shutdown={shut:.2f} close={time.monotonic() - t:.2f} codes={[p.returncode for p in procs]}")
+    """).stdout
+    line = next(line for line in out.splitlines() if line.startswith("shutdown="))
+    assert line.endswith("codes=[0, 0]"), line
+    values = dict(part.split("=") for part in line.split()[:2])
+    assert float(values["shutdown"]) < 15 and float(values["close"]) < 5, line  # a ping interval and the join
+
+
 def test_pipes_built_from_two_threads_at_once_share_one_group_and_ctrl_c_stays_an_interrupt():
     """Two threads had both started a group (one failed after 14 s: "RPC is already initialized");
     a Ctrl-C while the workers started had become a RuntimeError with an empty reason."""

@@ -39,8 +39,11 @@ def request_stop() -> None:
 
 
 def alive() -> bool:
-    """RPC target: workers ping their driver with it."""
-    return True
+    """RPC target: workers ping their driver with it. False once the driver is in a graceful
+    ``rpc.shutdown()``, which waits until every worker of the group has called it too."""
+    from rrefpipe import _rpc
+
+    return not _rpc.in_graceful_shutdown()
 
 
 def _watch_stdin(grace: float) -> None:
@@ -138,16 +141,29 @@ def serve(
         threading.Thread(target=_watch_stdin, args=(ping_interval,), name="rrefpipe-stdin-watch", daemon=True).start()
     threading.Thread(target=_watch_store, args=(name, ping_interval), name="rrefpipe-store-watch", daemon=True).start()
     misses = 0
+    graceful = False
     while not _stop.wait(ping_interval):
         try:
-            rpc.rpc_sync(driver, alive, timeout=max(2 * ping_interval, 5.0))
+            graceful = not rpc.rpc_sync(driver, alive, timeout=max(2 * ping_interval, 5.0))
             misses = 0
         except Exception as exc:
             misses += 1
             if misses >= 2 or "timeout" not in str(exc).lower():
                 log.warning("worker %s: driver %r is gone (%s); leaving", name, driver, exc)
                 break
-    rpc.shutdown(graceful=False)
+        if graceful:
+            break
+    _leave(graceful, timeout=max(10 * ping_interval, 30.0))
+
+
+def _leave(graceful: bool, timeout: float) -> None:
+    """Leave the group and exit. ``graceful``: join the driver's graceful ``rpc.shutdown()`` (a user's,
+    at the end of a script), which would otherwise wait for this worker forever; otherwise leave alone,
+    which never waits for anyone."""
+    try:
+        rpc.shutdown(graceful=graceful, timeout=timeout)
+    except Exception as exc:  # the graceful one's barrier failed; it has shut this worker down anyway
+        log.warning("graceful shutdown with the driver failed (%s); leaving", _first_line(exc))
     os._exit(0)  # TensorPipe threads can outlive shutdown; nothing else is left to flush
 
 
