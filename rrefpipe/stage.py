@@ -21,6 +21,7 @@ from .errors import Failure
 from .dependency import after_parameter_grads, fork, hop, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
+from .skip.namespace import DEFAULT
 from .skip.skippable import skippable_layers
 from .skip.tracker import SkipKey, use_tracker
 from .trace import Recorder
@@ -60,8 +61,14 @@ class StageInfo:
         text = (f"stage {self.index}: worker {self.worker!r} on {self.device}, layers {', '.join(self.layers)} "
                 f"({self.num_parameters:,} parameters)")
         if self.stashes or self.pops:
-            text += f", skips: stash {[k[1] for k in self.stashes]} pop {[k[1] for k in self.pops]}"
+            text += f", skips: stash {[_skip_name(k) for k in self.stashes]} pop {[_skip_name(k) for k in self.pops]}"
         return text
+
+
+def _skip_name(key: SkipKey) -> str:
+    """A skip's name, with its namespace unless the default one (isolated copies share names)."""
+    namespace, name = key
+    return name if namespace == DEFAULT else f"{name} ({namespace.id[:8]})"
 
 
 @dataclass

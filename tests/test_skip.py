@@ -120,3 +120,13 @@ def test_routes_send_each_skip_to_its_pop_stage():
     assert routes[0].outgoing == {ns1: 2} and routes[0].incoming == frozenset()
     assert routes[1].outgoing == {} and routes[1].incoming == frozenset()  # stashed and popped locally
     assert routes[2].incoming == frozenset({ns1})
+
+
+def test_stage_lines_tell_isolated_skips_of_one_name_apart():
+    from rrefpipe.skip import Namespace
+    from rrefpipe.skip.namespace import DEFAULT
+    from rrefpipe.stage import StageInfo
+
+    a, b = Namespace(), Namespace()
+    info = StageInfo(0, "worker1", "cpu", ("0: Stash",), 0, stashes=((a, "x"), (b, "x"), (DEFAULT, "y")))
+    assert f"stash ['x ({a.id[:8]})', 'x ({b.id[:8]})', 'y'] pop []" in str(info)
