@@ -13,7 +13,6 @@ __all__ = ["DEFAULT_RPC_TIMEOUT", "DRIVER_RPC_THREADS", "LOCAL_TRANSPORTS", "STA
            "STAGE_RPC_THREADS", "backend_options", "device_name", "init_rpc", "maps_to_later_workers",
            "parse_device_map"]
 
-
 #: Transports for processes on one host. The shared-memory transport busy-polls about half a core per
 #: idle process (measured on the 2-core development machine), which on a small machine steals the
 #: stages' compute; "uv" (TCP) idles at 0%.
