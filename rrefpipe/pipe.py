@@ -215,7 +215,7 @@ class Pipe(nn.Module):
             raise
 
     # -- running -----------------------------------------------------------------------------------
-    def forward(self, input: TensorOrTensors) -> rpc.RRef:  # noqa: A002 (the documented name)
+    def forward(self, input: TensorOrTensors, *more_inputs: Any) -> rpc.RRef:  # noqa: A002 (the documented name)
         """Run one mini-batch through the pipeline; returns an ``RRef`` to the output.
 
         The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
@@ -228,8 +228,12 @@ class Pipe(nn.Module):
             StageError: a stage raised (names stage, worker, micro-batch and cause; the pipe stays
                 usable). ``WorkerError`` (a ``StageError``) when a worker is dead or unreachable.
             ValueError: the input is not on the CPU (stage workers receive it from this process).
-            TypeError: the input is not a tensor or tuple of tensors.
+            TypeError: the input is not a tensor or tuple of tensors, or there are several inputs.
         """
+        if more_inputs:
+            raise TypeError(f"Pipe takes one input, a tensor or a tuple of tensors, and got {1 + len(more_inputs)}: "
+                            "PyTorch 2.x's forward(*inputs) is not carried over; pass one tuple, pipe((a, b)), which "
+                            "reaches the first layer as one argument (PyTorch 1.8's form)")
         return self._driver.forward(input, training=self.training)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
