@@ -48,7 +48,7 @@ from bench_core import (SIZES, bench_hops, ideal_step_ms, loadavg, machine_info,
 from suite_chart import write_chart
 from suite_models import DEFAULT_MODELS, SPECS, ModelSpec, boundary_shapes
 from suite_pipelining import SCHEDULES, PipeliningGroup
-from suite_report import MODES, print_all
+from suite_report import CHECKPOINTED, MODES, print_all
 from suite_rrefpipe import memory_by_mode, rpc_floor, scaling, time_pipe
 from suite_targets import evaluate, print_targets
 
@@ -57,7 +57,6 @@ cloudpickle.register_pickle_by_value(suite_models)  # stage workers get the mode
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "suite.json"
 CHUNKS = (1, 2, 4, 8, 16, 32)
 SCALING_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-CHECKPOINTED = {"never": lambda m: 0, "except_last": lambda m: m - 1, "always": lambda m: m}
 
 
 _T0 = time.perf_counter()

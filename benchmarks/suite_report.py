@@ -7,6 +7,8 @@ from typing import Any
 from bench_core import print_hops
 
 MODES = ("never", "except_last", "always")
+#: Micro-batches each stage recomputes in a step of m, per checkpoint mode.
+CHECKPOINTED = {"never": lambda m: 0, "except_last": lambda m: m - 1, "always": lambda m: m}
 ISSUE_PIPELINING_ACH = {8: 0.91, 16: 0.83}  # pipelining GPipe achieved/ideal quoted in the issue (MLP, 2 stages)
 
 

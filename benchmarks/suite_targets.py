@@ -9,13 +9,18 @@ size* (``ideal@mb``): a stage computes m micro-batches, not one whole batch, and
 micro-batch costs more per sample. The issue's own reference figures are on that scale: pipelining
 GPipe at 0.91 / 0.83 of its bubble model at m = 8 / 16 on this MLP, where it reaches only ~0.55 / 0.40
 of the full-batch ideal. The full-batch figure is still reported alongside.
+
+The bubble model gives every stage a core of its own. With fewer cores than stage processes, no
+schedule can finish a step before the cores have done all the stages' work, so the MLP target also
+reports the "core bound": the largest achieved/ideal@mb that a perfect schedule on the run's usable
+cores could reach (1.00 where the cores are not the limit). It explains a miss; it does not move the bar.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from suite_report import ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
+from suite_report import CHECKPOINTED, ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
 
 Target = dict[str, Any]
 
@@ -44,21 +49,36 @@ def vs_pipelining(result: dict[str, Any]) -> Target:
     return _target("rrefpipe >= pipelining GPipe (m >= 4), >= 0.9x (m 1-2)", met, "; ".join(parts))
 
 
+def core_bound(sec: dict[str, Any], chunks: int, mode: str, cores: int) -> float | None:
+    """The largest achieved/ideal@mb any schedule can reach when ``cores`` cores do the work of every
+    stage (forwards, recomputed forwards, backwards) at the micro-batch size: 1.0 if they are enough."""
+    costs = sec.get("stage_compute_per_microbatch", {}).get(str(chunks))
+    if not costs or cores < 1:
+        return None
+    recomputed = CHECKPOINTED[mode](chunks)
+    work = sum(chunks * (c["forward_ms"] + c["backward_ms"]) + recomputed * c["forward_ms"] for c in costs)
+    tick = max(c["forward_ms"] + c["backward_ms"] + recomputed / chunks * c["forward_ms"] for c in costs)
+    return min(1.0, (chunks + len(costs) - 1) * tick / (work / cores))
+
+
 def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:
     vals = []
+    cores = result.get("machine", {}).get("cpus_usable", 0)
     for sec in result["sections"]:
         if sec["name"] != "mlp":
             continue
         for r in sec["rows"]:
             row = r["contestants"].get(mode)
             if r["chunks"] >= 8 and row and "error" not in row:
-                vals.append((row["achieved_over_ideal_mb"], row["achieved_over_ideal"], f"{sec['stages']}st m={r['chunks']}"))
+                vals.append((row["achieved_over_ideal_mb"], row["achieved_over_ideal"], f"{sec['stages']}st m={r['chunks']}",
+                             core_bound(sec, r["chunks"], mode, cores)))
     name = f"rrefpipe '{mode}' >= 0.9 x ideal@mb at m >= 8, MLP"
     if not vals:
         return _target(name, None, "no MLP rows with m >= 8")
-    return _target(name, all(v >= 0.9 for v, _, _ in vals),
-                   ", ".join(f"{w}: {v:.2f}" for v, _, w in vals)
-                   + " (vs the full-batch ideal: " + ", ".join(f"{v:.2f}" for _, v, _ in vals) + ")")
+    return _target(name, all(v >= 0.9 for v, _, _, _ in vals),
+                   ", ".join(f"{w}: {v:.2f}" for v, _, w, _ in vals)
+                   + " (vs the full-batch ideal: " + ", ".join(f"{v:.2f}" for _, v, _, _ in vals) + f"; core bound on "
+                   f"{cores} cores: " + ", ".join("n/a" if b is None else f"{b:.2f}" for _, _, _, b in vals) + ")")
 
 
 def hop_overhead(result: dict[str, Any]) -> Target:

@@ -1,0 +1,44 @@
+"""The benchmark suite's core bound: what a perfect schedule could reach with fewer cores than stages."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from suite_targets import core_bound  # noqa: E402  (the benchmarks are scripts, not a package)
+
+
+def section(forward_ms: list[float], backward_ms: list[float], chunks: int) -> dict[str, object]:
+    return {"stage_compute_per_microbatch": {
+        str(chunks): [{"forward_ms": f, "backward_ms": b} for f, b in zip(forward_ms, backward_ms)]}}
+
+
+def test_a_core_per_stage_is_no_limit() -> None:
+    assert core_bound(section([1.0, 1.0], [2.0, 2.0], 8), 8, "never", cores=2) == 1.0
+
+
+def test_three_equal_stages_on_two_cores() -> None:
+    # Bubble model: (32 + 2) * 3 ms = 102 ms; the work, 3 stages * 32 * 3 ms, on 2 cores takes 144 ms.
+    assert core_bound(section([1.0] * 3, [2.0] * 3, 32), 32, "never", cores=2) == pytest.approx(102 / 144)
+
+
+def test_recomputation_counts_as_work() -> None:
+    # 'always' recomputes all 32 forwards: tick 4 ms, bubble model 136 ms; work 3 * 32 * 4 / 2 = 192 ms.
+    assert core_bound(section([1.0] * 3, [2.0] * 3, 32), 32, "always", cores=2) == pytest.approx(136 / 192)
+    # 'except_last' recomputes 31: tick 3 + 31/32 ms.
+    tick = 3 + 31 / 32
+    assert core_bound(section([1.0] * 3, [2.0] * 3, 32), 32, "except_last", cores=2) == pytest.approx(
+        34 * tick / (3 * (32 * 3 + 31) / 2))
+
+
+def test_unbalanced_stages_leave_cores_idle() -> None:
+    # The slow stage sets the pace; the fast ones fit on the second core: no core limit.
+    assert core_bound(section([3.0, 0.5, 0.5], [6.0, 1.0, 1.0], 16), 16, "never", cores=2) == 1.0
+
+
+def test_missing_measurement() -> None:
+    assert core_bound(section([1.0], [2.0], 8), 16, "never", cores=2) is None
+    assert core_bound(section([1.0], [2.0], 8), 8, "never", cores=0) is None
