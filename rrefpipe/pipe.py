@@ -59,7 +59,8 @@ class Pipe(nn.Module):
             whole mini-batch, committed once per mini-batch (one nested in a child module is
             replaced in that child, as PyTorch's Pipe did).
         balance: layers per stage, e.g. ``[2, 3]``; by default an even split when ``devices`` is given,
-            else stages follow the layers' devices. ``'time'``
+            else stages follow the layers' devices, and a model on one device is split evenly over
+            ``workers`` when it names several. ``'time'``
             or ``'size'``: profile the layers on ``sample`` (:mod:`rrefpipe.balance`), one stage per
             entry of ``devices`` (else of ``workers``), before any worker starts.
         sample: an example mini-batch for ``balance='time' | 'size'`` (split into ``chunks`` as in training).
@@ -113,6 +114,11 @@ class Pipe(nn.Module):
             balance = uniform_balance(len(module), len(stage_devices))
         else:
             balance, stage_devices = balance_by_placement(module)
+            if len(balance) == 1 and workers is not None and len(workers) > 1:
+                # One device, several workers named (torchrun's stage workers): a stage on each, as
+                # ``Pipe(model, workers=stage_workers)`` reads, not a count mismatch.
+                balance = uniform_balance(len(module), len(workers))
+                stage_devices = stage_devices * len(balance)
         stages = split_module(module, balance)
         for j, stage in enumerate(stages):
             module_device(stage, f"stage {j}")

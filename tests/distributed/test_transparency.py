@@ -109,3 +109,13 @@ def test_any_spelling_of_the_cpu_is_the_cpu(cluster):
               workers=cluster.names[:2]) as pipe:
         assert [s.device for s in pipe.stages] == ["cpu", "cpu"]
         check_transparent(pipe, model, torch.randn(4, 5, requires_grad=True))
+
+
+def test_a_model_on_one_device_splits_evenly_over_the_named_workers(cluster):
+    """``Pipe(model, workers=stage_workers)``, as under torchrun: no balance, no devices, every layer on
+    the CPU; one stage per named worker, layers split as evenly as the count allows."""
+    model = mlp([5, 8, 8, 6, 3])  # 7 layers
+    with Pipe(model, chunks=4, workers=cluster.names[:3]) as pipe:
+        assert pipe.balance == [3, 2, 2]
+        assert [s.worker for s in pipe.stages] == cluster.names[:3]
+        check_transparent(pipe, model, torch.randn(8, 5, requires_grad=True))
