@@ -26,7 +26,7 @@ from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, uniform_balance, verify_module)
-from .server import StageSpec
+from .server import StageSpec, stage_seed
 from .skip.skippable import verify_skippables
 from .stage import StageInfo
 from .trace import Event
@@ -48,6 +48,9 @@ class Pipe(nn.Module):
       by default to the other workers of the group in rank order.
     * RPC initialised with world size 1 (PyTorch 1.8 style): stages follow the modules' devices and run
       in this process; the output's ``loss.backward()`` works as for any module.
+
+    A stage built on a worker seeds that worker's random generator from the driver's
+    ``torch.initial_seed()`` and the stage index: seeded runs repeat, and stages draw different numbers.
 
     Args:
         module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
@@ -493,4 +496,5 @@ def _on_cpu(stage: nn.Sequential) -> nn.Sequential:
 def _spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
           devices: Sequence[torch.device]) -> StageSpec:
     return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
-                     next_worker=None, stage_devices=[str(d) for d in devices])
+                     next_worker=None, stage_devices=[str(d) for d in devices],
+                     seed=stage_seed(torch.initial_seed(), j))

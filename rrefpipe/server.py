@@ -51,7 +51,22 @@ class StageSpec:
     device: str
     next_worker: str | None  # None for the last stage
     stage_devices: list[str]  # every stage's device: what a GPU stage sends to a CPU one crosses to the CPU
+    seed: int  # the worker's random seed from the stage's creation on (see ``stage_seed``)
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
+
+
+#: Odd 64-bit constant (2^64 / golden ratio): consecutive stages' seeds land far apart.
+_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def stage_seed(driver_seed: int, index: int) -> int:
+    """Stage ``index``'s seed, from the driver's ``torch.initial_seed()``.
+
+    A stage worker is another process: the driver's ``torch.manual_seed`` does not reach its dropout or
+    its factory's initialisation, and under torchrun every rank ran the script's own ``manual_seed``,
+    so every stage would draw the same numbers. Seeding each worker from the driver's seed and the
+    stage index makes a seeded run repeat itself, with different numbers on every stage."""
+    return (driver_seed + _SEED_STEP * (index + 1)) % 2**64
 
 
 def _built(spec: StageSpec) -> nn.Sequential:
@@ -113,6 +128,7 @@ class StageServer:
 
     def __init__(self, pipe_id: str, spec: StageSpec) -> None:
         _check_device(torch.device(spec.device))
+        torch.manual_seed(spec.seed)  # before the factory: its initial weights repeat too
         module = spec.module if spec.module is not None else _built(spec)
         self.pipe_id = pipe_id
         self.spec = spec

@@ -88,6 +88,19 @@ class AutocastProbe(nn.Module):
         return x + float(torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())
 
 
+class AppendRandom(nn.Module):
+    """Appends one column of ``torch.rand`` (drawn from the process's generator, as dropout draws)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.rand(x.shape[0], 1)], dim=1)
+
+
+def manual_seed(seed: int) -> None:
+    """``torch.manual_seed`` as a Python function: over RPC, torch's own resolves to a builtin operator
+    whose empty return the RPC layer rejects."""
+    torch.manual_seed(seed)
+
+
 class Parent(nn.Module):
     """Holds a pipe beside a layer of its own, so that state dicts nest: keys ``head.*`` and ``pipe.*``."""
 
