@@ -12,14 +12,16 @@ of the full-batch ideal. The full-batch figure is still reported alongside.
 
 The bubble model gives every stage a core of its own. With fewer cores than stage processes, no
 schedule can finish a step before the cores have done all the stages' work, so the MLP target also
-reports the "core bound": the largest achieved/ideal@mb that a perfect schedule on the run's usable
-cores could reach (1.00 where the cores are not the limit). It explains a miss; it does not move the bar.
+reports the "core bound": ideal@mb over that work divided by the run's usable cores, a ceiling on
+achieved/ideal@mb that no schedule on those cores exceeds (the stages' dependencies can keep the best one
+lower; above 1, the cores are not what limits). It explains a miss; it does not move the bar.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
+from bench_core import ideal_step_ms
 from suite_report import CHECKPOINTED, ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
 
 Target = dict[str, Any]
@@ -50,15 +52,14 @@ def vs_pipelining(result: dict[str, Any]) -> Target:
 
 
 def core_bound(sec: dict[str, Any], chunks: int, mode: str, cores: int) -> float | None:
-    """The largest achieved/ideal@mb any schedule can reach when ``cores`` cores do the work of every
-    stage (forwards, recomputed forwards, backwards) at the micro-batch size: 1.0 if they are enough."""
+    """A ceiling on achieved/ideal@mb when ``cores`` cores do the work of every stage (forwards,
+    recomputed forwards, backwards) at the micro-batch size: a step takes at least work / cores."""
     costs = sec.get("stage_compute_per_microbatch", {}).get(str(chunks))
     if not costs or cores < 1:
         return None
     recomputed = CHECKPOINTED[mode](chunks)
     work = sum(chunks * (c["forward_ms"] + c["backward_ms"]) + recomputed * c["forward_ms"] for c in costs)
-    tick = max(c["forward_ms"] + c["backward_ms"] + recomputed / chunks * c["forward_ms"] for c in costs)
-    return min(1.0, (chunks + len(costs) - 1) * tick / (work / cores))
+    return ideal_step_ms(costs, chunks, recomputed, per_microbatch=True) / (work / cores)
 
 
 def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:

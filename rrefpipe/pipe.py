@@ -26,7 +26,7 @@ from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, uniform_balance, verify_module)
-from .server import StageSpec, stage_seed
+from .server import StageSpec, driver_seed, stage_seed
 from .skip.skippable import verify_skippables
 from .stage import StageInfo
 from .trace import Event
@@ -49,8 +49,8 @@ class Pipe(nn.Module):
     * RPC initialised with world size 1 (PyTorch 1.8 style): stages follow the modules' devices and run
       in this process; the output's ``loss.backward()`` works as for any module.
 
-    A stage built on a worker seeds that worker's random generator from the driver's
-    ``torch.initial_seed()`` and the stage index: seeded runs repeat, and stages draw different numbers.
+    A stage built on a worker seeds that worker's random generator from the driver's generator state
+    (read, not drawn from) and the stage index: seeded runs repeat, and stages draw different numbers.
 
     Args:
         module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
@@ -62,7 +62,7 @@ class Pipe(nn.Module):
             whole mini-batch, committed once per mini-batch (one nested in a child module is
             replaced in that child, as PyTorch's Pipe did).
         balance: layers per stage, e.g. ``[2, 3]``; by default an even split when ``devices`` is given,
-            else stages follow the layers' devices, and a model on one device is split evenly over
+            else stages follow the layers' devices, and a model on the CPU is split evenly over
             ``workers`` when it names several. ``'time'``
             or ``'size'``: profile the layers on ``sample`` (:mod:`rrefpipe.balance`), one stage per
             entry of ``devices`` (else of ``workers``), before any worker starts.
@@ -117,9 +117,13 @@ class Pipe(nn.Module):
             balance = uniform_balance(len(module), len(stage_devices))
         else:
             balance, stage_devices = balance_by_placement(module)
-            if len(balance) == 1 and workers is not None and len(workers) > 1:
-                # One device, several workers named (torchrun's stage workers): a stage on each, as
-                # ``Pipe(model, workers=stage_workers)`` reads, not a count mismatch.
+            if workers is not None and len(workers) > 1 and stage_devices == [torch.device("cpu")]:
+                # A CPU model and several workers named (torchrun's stage workers): a stage on each, as
+                # ``Pipe(model, workers=stage_workers)`` reads. (A model on one GPU keeps the count
+                # check: which GPU each worker's stage belongs on is for ``devices=`` to say.)
+                if len(workers) > len(module):
+                    raise ValueError(f"{len(workers)} workers named for a model of {len(module)} layers: name at "
+                                     "most one worker per layer")
                 balance = uniform_balance(len(module), len(workers))
                 stage_devices = stage_devices * len(balance)
         stages = split_module(module, balance)
@@ -138,7 +142,8 @@ class Pipe(nn.Module):
                                                                    checkpoint=self.checkpoint)
         else:
             check_unshared(stages)
-            specs = [_spec(j, _on_cpu(stage), None, stage_devices) for j, stage in enumerate(stages)]
+            seed = driver_seed()
+            specs = [_spec(j, _on_cpu(stage), None, stage_devices, seed) for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
 
     @classmethod
@@ -171,7 +176,8 @@ class Pipe(nn.Module):
         nn.Module.__init__(pipe)
         pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
-        specs = [_spec(j, None, f, stage_devices) for j, f in enumerate(factories)]
+        seed = driver_seed()
+        specs = [_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe
@@ -494,7 +500,6 @@ def _on_cpu(stage: nn.Sequential) -> nn.Sequential:
 
 
 def _spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
-          devices: Sequence[torch.device]) -> StageSpec:
+          devices: Sequence[torch.device], seed: int) -> StageSpec:
     return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
-                     next_worker=None, stage_devices=[str(d) for d in devices],
-                     seed=stage_seed(torch.initial_seed(), j))
+                     next_worker=None, stage_devices=[str(d) for d in devices], seed=stage_seed(seed, j))

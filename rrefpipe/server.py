@@ -13,6 +13,7 @@ values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 import threading
 from collections import OrderedDict
@@ -60,13 +61,21 @@ _SEED_STEP = 0x9E3779B97F4A7C15
 
 
 def stage_seed(driver_seed: int, index: int) -> int:
-    """Stage ``index``'s seed, from the driver's ``torch.initial_seed()``.
+    """Stage ``index``'s seed, from ``driver_seed`` (:func:`driver_seed`).
 
     A stage worker is another process: the driver's ``torch.manual_seed`` does not reach its dropout or
     its factory's initialisation, and under torchrun every rank ran the script's own ``manual_seed``,
-    so every stage would draw the same numbers. Seeding each worker from the driver's seed and the
+    so every stage would draw the same numbers. Seeding each worker from the driver's generator and the
     stage index makes a seeded run repeat itself, with different numbers on every stage."""
     return (driver_seed + _SEED_STEP * (index + 1)) % 2**64
+
+
+def driver_seed() -> int:
+    """64 bits of the driver's CPU generator state, read without drawing from it: the script's random
+    numbers stay those of the plain model, and a pipe built after more draws (a second model, the next
+    epoch's data) gets other seeds than one built right after ``torch.manual_seed``."""
+    state = torch.get_rng_state().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little")
 
 
 def _built(spec: StageSpec) -> nn.Sequential:

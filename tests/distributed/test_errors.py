@@ -167,5 +167,7 @@ def test_bad_worker_names_and_stage_counts(cluster):
         Pipe(model, balance=[1, 1], workers=["worker1", "nope"])
     with pytest.raises(ValueError, match="4 workers named for 2 stages"):
         Pipe(model, balance=[1, 1], workers=cluster.names)
+    with pytest.raises(ValueError, match="3 workers named for a model of 2 layers"):
+        Pipe(model, workers=cluster.names[:3])  # no balance: a stage per named worker
     with pytest.raises(ValueError, match="more stages than layers"):
         Pipe(model, devices=["cpu", "cpu", "cpu"])

@@ -12,9 +12,11 @@ from tests.layers import AppendRandom, manual_seed
 pytestmark = pytest.mark.timeout(120)
 
 
-def stage_draws(cluster, seed: int) -> torch.Tensor:
-    """One column of torch.rand per stage (3 stages), drawn on the workers after torch.manual_seed(seed)."""
-    torch.manual_seed(seed)
+def stage_draws(cluster, seed: int | None) -> torch.Tensor:
+    """One column of torch.rand per stage (3 stages), drawn on the workers after torch.manual_seed(seed)
+    (None: the driver's generator as it is)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     model = nn.Sequential(AppendRandom(), AppendRandom(), AppendRandom())
     with Pipe(model, chunks=2, balance=[1, 1, 1], workers=cluster.names[:3]) as pipe:
         with torch.no_grad():
@@ -25,6 +27,17 @@ def test_the_drivers_seed_makes_the_workers_draws_repeat(cluster):
     first = stage_draws(cluster, seed=5)
     assert torch.equal(stage_draws(cluster, seed=5), first)  # the workers' generators moved on in between
     assert not torch.equal(stage_draws(cluster, seed=6), first)
+
+
+def test_building_a_pipe_draws_nothing_from_the_drivers_generator(cluster):
+    """The script's own random numbers stay those of the plain model; a pipe built after more draws
+    gets other seeds than one built right after torch.manual_seed."""
+    torch.manual_seed(3)
+    first = stage_draws(cluster, seed=None)
+    after_build = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(4), after_build)  # as if no pipe had been built
+    assert not torch.equal(stage_draws(cluster, seed=None), first)  # built after four more draws
 
 
 def test_stages_draw_different_numbers_even_from_equally_seeded_workers(cluster):
