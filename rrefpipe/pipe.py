@@ -26,7 +26,8 @@ from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, uniform_balance, verify_module)
-from .server import StageSpec, driver_seed, stage_seed
+from .seeding import driver_seed, stage_seed
+from .server import StageSpec
 from .skip.skippable import verify_skippables
 from .stage import StageInfo
 from .trace import Event

@@ -13,7 +13,6 @@ values (:class:`~rrefpipe.errors.Failure`) through the chain of futures.
 """
 from __future__ import annotations
 
-import hashlib
 import pickle
 import threading
 from collections import OrderedDict
@@ -52,30 +51,8 @@ class StageSpec:
     device: str
     next_worker: str | None  # None for the last stage
     stage_devices: list[str]  # every stage's device: what a GPU stage sends to a CPU one crosses to the CPU
-    seed: int  # the worker's random seed from the stage's creation on (see ``stage_seed``)
+    seed: int  # the worker's random seed from the stage's creation on (``rrefpipe.seeding``)
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
-
-
-#: Odd 64-bit constant (2^64 / golden ratio): consecutive stages' seeds land far apart.
-_SEED_STEP = 0x9E3779B97F4A7C15
-
-
-def stage_seed(driver_seed: int, index: int) -> int:
-    """Stage ``index``'s seed, from ``driver_seed`` (:func:`driver_seed`).
-
-    A stage worker is another process: the driver's ``torch.manual_seed`` does not reach its dropout or
-    its factory's initialisation, and under torchrun every rank ran the script's own ``manual_seed``,
-    so every stage would draw the same numbers. Seeding each worker from the driver's generator and the
-    stage index makes a seeded run repeat itself, with different numbers on every stage."""
-    return (driver_seed + _SEED_STEP * (index + 1)) % 2**64
-
-
-def driver_seed() -> int:
-    """64 bits of the driver's CPU generator state, read without drawing from it: the script's random
-    numbers stay those of the plain model, and a pipe built after more draws (a second model, the next
-    epoch's data) gets other seeds than one built right after ``torch.manual_seed``."""
-    state = torch.get_rng_state().numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little")
 
 
 def _built(spec: StageSpec) -> nn.Sequential:
