@@ -13,7 +13,9 @@
 4. the ideal: GPipe efficiency m/(m+n-1) applied to the slowest stage's forward+backward, measured in
    this process with 1 thread at the full batch (``ideal``, plus the recomputed forwards of a
    checkpoint mode) and at the micro-batch size (``ideal@mb``), as in ``bench_core``; and the RPC
-   floor, a raw ``rpc_sync`` of each micro-batch boundary tensor (``rpc/mb``).
+   floor, a raw ``rpc_sync`` of each micro-batch boundary tensor (``rpc/mb``). For the 2-stage MLP at
+   m >= 8, each stage is also timed beside the other (``bench_contention``), for the targets'
+   contended bubble model.
 
 Every contestant's timed step includes the SGD optimizer step (``opt.step()`` on every stage for
 pipelining, ``DistributedOptimizer.step`` for rrefpipe, ``opt.step()`` for plain). Steps are the
@@ -43,6 +45,7 @@ import cloudpickle
 import torch
 
 import suite_models
+from bench_contention import measure as measure_contention
 from bench_core import (SIZES, bench_hops, ideal_step_ms, loadavg, machine_info, single_process, stage_compute,
                         summary)
 from suite_chart import write_chart
@@ -156,6 +159,16 @@ def warm_up(names: list[str], group: PipeliningGroup, spec: ModelSpec, ctx: dict
         log(f"  pipelining warm-up failed: {exc}")
 
 
+def contention(spec: ModelSpec, n: int, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Each stage's compute beside the other's against alone (``bench_contention``), at m >= 8, for the
+    2-stage sections of ``--contention-models``: the bubble model's stages are timed alone."""
+    if n != 2 or spec.name not in args.contention_models or args.contention_rounds < 1:
+        return {}
+    log(f"{spec.name}, {n} stages: timing each stage beside the other ...")
+    return {str(m): [measure_contention(spec.name, m, j, args.contention_rounds, args.contention_calls)
+                     for j in range(n)] for m in args.chunks if m >= 8}
+
+
 def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
                 args: argparse.Namespace) -> dict[str, Any]:
     """One model on ``n`` stages: per-stage compute, RPC floor, every chunk count, memory."""
@@ -168,6 +181,7 @@ def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
     per_mb = {m: stage_compute(model, balance, data[0], math.ceil(spec.batch / m), args.warmup * m,
                                args.compute_repeats * m)
               for m in args.chunks}
+    beside = contention(spec, n, args)
     full = per_mb[1] if 1 in per_mb else stage_compute(model, balance, data[0], spec.batch, args.warmup,
                                                        args.compute_repeats)
     shapes = boundary_shapes(spec, n)
@@ -190,7 +204,7 @@ def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
            if args.memory_chunks > 0 else None)
     return {"name": spec.name, "model": spec.description, "stages": n, "balance": balance, "batch": spec.batch,
             "stage_compute": full, "stage_compute_per_microbatch": {str(m): c for m, c in per_mb.items()},
-            "boundary_shapes": shapes, "rpc_floor_ms": floor, "rows": rows, "memory": mem,
+            "contention": beside, "boundary_shapes": shapes, "rpc_floor_ms": floor, "rows": rows, "memory": mem,
             "loadavg_start": load_start, "loadavg_end": loadavg()}
 
 
@@ -260,6 +274,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="times every contestant runs at each chunk count, interleaved (the median is over the "
                         "timed steps of all rounds): a burst of load then hits no contestant alone")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
+    p.add_argument("--contention-models", nargs="*", choices=list(SPECS), default=["mlp"],
+                   help="models whose 2-stage sections also time each stage beside the other (bench_contention)")
+    p.add_argument("--contention-rounds", type=int, default=3, help="alone/beside rounds per stage (0: skip)")
+    p.add_argument("--contention-calls", type=int, default=8, help="timed calls per round and condition")
     p.add_argument("--rpc-repeats", type=int, default=15, help="timed raw rpc_sync calls per boundary size")
     p.add_argument("--memory-chunks", type=int, default=4, help="chunks for the memory measurement (0: skip it)")
     p.add_argument("--timeline-chunks", type=int, default=8,
@@ -283,6 +301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.stages, args.chunks = [2], [2, 8]
         args.warmup, args.repeats, args.compute_repeats, args.rpc_repeats, args.rounds = 1, 3, 1, 5, 1
         args.scaling_chunks, args.hop_sizes, args.hop_repeats = [8, 16, 32], ["4KB", "1MB"], 6
+        args.contention_rounds, args.contention_calls = 1, 3
     batch = min(SPECS[m].batch for m in args.models)
     if (min(args.chunks) < 1 or max(args.chunks) > batch or args.warmup < 0 or args.repeats < 1
             or args.rounds < 1):

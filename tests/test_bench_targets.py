@@ -1,4 +1,4 @@
-"""The benchmark suite's core bound: a ceiling on achieved/ideal when fewer cores than stages do the work."""
+"""The benchmark suite's bounds on achieved/ideal: fewer cores than stages, stages slower beside each other."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from suite_targets import core_bound  # noqa: E402  (the benchmarks are scripts, not a package)
+from suite_targets import contended_bubble, core_bound  # noqa: E402  (the benchmarks are scripts, not a package)
 
 
 def section(forward_ms: list[float], backward_ms: list[float], chunks: int) -> dict[str, object]:
@@ -43,3 +43,26 @@ def test_unbalanced_stages_fit_on_fewer_cores() -> None:
 def test_missing_measurement() -> None:
     assert core_bound(section([1.0], [2.0], 8), 16, "never", cores=2) is None
     assert core_bound(section([1.0], [2.0], 8), 8, "never", cores=0) is None
+
+
+def contended(section_: dict[str, object], chunks: int, factors: list[float]) -> dict[str, object]:
+    return {**section_, "contention": {str(chunks): [{"beside_over_alone": f} for f in factors]}}
+
+
+def test_contended_bubble_model() -> None:
+    # Ticks alone 3 and 2 ms; beside each other 1.2 * 3 and 1.5 * 2 ms: the slower, 3.6 ms, paces the 7
+    # steady ticks, the fill and drain cost 2 ticks alone. Bubble model alone: 9 * 3 ms.
+    sec = contended(section([1.0, 1.0], [2.0, 1.0], 8), 8, [1.2, 1.5])
+    assert contended_bubble(sec, 8, "never") == pytest.approx(27 / (7 * 3.6 + 2 * 3))
+    # 'always' recomputes every forward: ticks 4 and 3 ms.
+    assert contended_bubble(sec, 8, "always") == pytest.approx(9 * 4 / (7 * 4.8 + 2 * 4))
+
+
+def test_no_contention_is_the_bubble_model() -> None:
+    sec = contended(section([1.0, 1.0], [2.0, 2.0], 16), 16, [1.0, 1.0])
+    assert contended_bubble(sec, 16, "except_last") == pytest.approx(1.0)
+
+
+def test_contention_not_measured() -> None:
+    assert contended_bubble(section([1.0, 1.0], [2.0, 2.0], 8), 8, "never") is None
+    assert contended_bubble(contended(section([1.0, 1.0], [2.0, 2.0], 8), 16, [1.1, 1.1]), 8, "never") is None
