@@ -289,10 +289,15 @@ def stage_compute(model: nn.Sequential, balance: Sequence[int], x: Tensor, rows:
     return out
 
 
+def stage_tick_ms(cost: dict[str, float], m: int, checkpointed: int) -> float:
+    """A stage's forward + backward and its share of the ``checkpointed`` of ``m`` forwards recomputed."""
+    return cost["forward_ms"] + cost["backward_ms"] + checkpointed / m * cost["forward_ms"]
+
+
 def ideal_step_ms(costs: list[dict[str, float]], m: int, checkpointed: int, per_microbatch: bool) -> float:
     """GPipe bubble model; ``costs`` are for the whole batch, or for one micro-batch if ``per_microbatch``."""
     n = len(costs)
-    tick = max(c["forward_ms"] + c["backward_ms"] + checkpointed / m * c["forward_ms"] for c in costs)
+    tick = max(stage_tick_ms(c, m, checkpointed) for c in costs)
     return (m + n - 1) * tick if per_microbatch else (m + n - 1) / m * tick
 
 

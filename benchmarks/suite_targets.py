@@ -16,7 +16,7 @@ reports the "core bound": ideal@mb over that work divided by the run's usable co
 achieved/ideal@mb that no schedule on those cores exceeds (the stages' dependencies can keep the best one
 lower; above 1, the cores are not what limits). It explains a miss; it does not move the bar.
 
-The bubble model also times each stage alone, while in a pipeline's steady state the stages compute at
+ideal@mb also times each stage alone, while in a pipeline's steady state the stages compute at
 the same moment and share the memory bandwidth and the last-level cache (the MLP streams 64 MiB of
 weights per stage and micro-batch). Where the run timed the stages beside each other
 (``bench_contention``, 2-stage MLP), the MLP target also reports the "contended bubble model" as a
@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench_core import ideal_step_ms
+from bench_core import ideal_step_ms, stage_tick_ms
 from suite_report import CHECKPOINTED, ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
 
 Target = dict[str, Any]
@@ -77,7 +77,7 @@ def contended_bubble(sec: dict[str, Any], chunks: int, mode: str) -> float | Non
     if not costs or not factors or len(factors) != len(costs):
         return None
     recomputed = CHECKPOINTED[mode](chunks)
-    ticks = [c["forward_ms"] + c["backward_ms"] + recomputed / chunks * c["forward_ms"] for c in costs]
+    ticks = [stage_tick_ms(c, chunks, recomputed) for c in costs]
     beside = max(f["beside_over_alone"] * t for f, t in zip(factors, ticks))
     contended = (chunks - 1) * beside + len(costs) * max(ticks)
     return ideal_step_ms(costs, chunks, recomputed, per_microbatch=True) / contended
