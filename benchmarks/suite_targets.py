@@ -65,7 +65,7 @@ def core_bound(sec: dict[str, Any], chunks: int, mode: str, cores: int) -> float
     if not costs or cores < 1:
         return None
     recomputed = CHECKPOINTED[mode](chunks)
-    work = sum(chunks * (c["forward_ms"] + c["backward_ms"]) + recomputed * c["forward_ms"] for c in costs)
+    work = sum(chunks * stage_tick_ms(c, chunks, recomputed) for c in costs)
     return ideal_step_ms(costs, chunks, recomputed, per_microbatch=True) / (work / cores)
 
 
