@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -43,12 +44,13 @@ def _stage_step(name: str, chunks: int, j: int) -> tuple[torch.nn.Module, torch.
 
 
 def _spin(name: str, chunks: int, j: int) -> None:
-    """Run stage ``j``'s step forever; say "ready" once warm."""
+    """Run stage ``j``'s step until the parent is gone (killed, or it died); say "ready" once warm."""
+    parent = os.getppid()
     stage, inp, grad = _stage_step(name, chunks, j)
     for _ in range(3):
         stage(inp).backward(grad)
     print("ready", flush=True)
-    while True:
+    while os.getppid() == parent:  # an orphan is re-parented: a killed benchmark leaves no spinner behind
         stage(inp).backward(grad)
 
 
