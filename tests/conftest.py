@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +52,16 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def wait_gone(pids: list[int], within: float) -> float:
+    """Seconds until every pid is gone; fails after ``within`` (polls: they need not be our children)."""
+    start = time.monotonic()
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() - start > within:
+            pytest.fail(f"processes {[p for p in pids if pid_alive(p)]} still alive after {within}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
 
 
 def run_script(code: str, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess[str]:

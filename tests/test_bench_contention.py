@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import pid_alive, wait_gone
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -23,15 +24,6 @@ os._exit(0)
 """
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting for a reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_spinner_exits_when_its_parent_dies() -> None:
@@ -39,10 +31,7 @@ def test_spinner_exits_when_its_parent_dies() -> None:
                          timeout=50, check=True).stdout
     pid = int(out.split()[-1])
     try:
-        deadline = time.monotonic() + 20
-        while running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling a pid: nothing to wait on for a process that is not our child
-        assert not running(pid), "the spinner outlived its parent"
+        wait_gone([pid], within=20)  # the spinner must not outlive its parent
     finally:
-        if running(pid):
+        if pid_alive(pid):
             os.kill(pid, 9)

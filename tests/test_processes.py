@@ -12,20 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, pid_alive, run_script
+from tests.conftest import ROOT, pid_alive, run_script, wait_gone
 from workers import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _wait_gone(pids: list[int], within: float) -> float:
-    """Seconds until every pid is gone; fails after ``within``."""
-    start = time.monotonic()
-    while any(pid_alive(p) for p in pids):
-        if time.monotonic() - start > within:
-            pytest.fail(f"processes {[p for p in pids if pid_alive(p)]} still alive after {within}s")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _values(out: str, key: str) -> list[str]:
@@ -45,7 +35,7 @@ def _kill_driver(driver: subprocess.Popen[str], pids: list[int], within: float) 
     """SIGKILL the driver; every worker in ``pids`` must be gone ``within`` seconds."""
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=10)
-    took = _wait_gone(pids, within=within)
+    took = wait_gone(pids, within=within)
     print(f"workers gone {took:.2f}s after the driver was killed")
 
 
@@ -71,7 +61,7 @@ def test_embedded_workers_start_stop_and_restart_in_one_process():
     """)
     assert "as a ProcessGroup" not in out.stderr  # torch's internal deprecation, silenced in every process
     assert _values(out.stdout, "gone") == ["True", "True"]
-    _wait_gone([int(p) for p in _values(out.stdout, "pids")[0].split()], within=5)
+    wait_gone([int(p) for p in _values(out.stdout, "pids")[0].split()], within=5)
 
 
 def test_workers_exit_when_the_driver_is_killed():
