@@ -15,7 +15,8 @@ is reachable from the loss and every ``send`` gets its gradient.
 
 On a stage the join, the fork and the marker that times the start of backward are one autograd node
 (:func:`hop`): each Python node costs a GIL acquisition in backward, on the autograd engine's threads
-that otherwise run only C++ and compete with the RPC threads for the GIL.
+that otherwise run only C++ and compete with the RPC threads for the GIL. The end of backward is a
+hook on the input's gradient or, where no input needs one, a :func:`fence` joined into the hop.
 """
 from __future__ import annotations
 
@@ -87,6 +88,21 @@ class _Hop(torch.autograd.Function):
         return (None, grad, *(torch.empty(0, device=d) for d in ctx.phony_devices))
 
 
+class _Fence(torch.autograd.Function):
+    """A phony on ``device`` made of ``phonies``; calls ``callback`` when its gradient arrives."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], device: torch.device, *phonies: Tensor) -> Tensor:
+        ctx.callback = callback
+        ctx.phony_devices = [p.device for p in phonies]
+        return torch.empty(0, device=device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, None, *(torch.empty(0, device=d) for d in ctx.phony_devices))
+
+
 def _first(value: TensorOrTensors) -> Tensor:
     return value if isinstance(value, Tensor) else value[0]
 
@@ -130,40 +146,16 @@ def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensor
     return marked[0] if isinstance(value, Tensor) else tuple(marked)
 
 
-def after_parameter_grads(value: TensorOrTensors, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` once every node of ``value``'s local graph that feeds a parameter has run.
+def fence(callback: Callable[[], None], phonies: Sequence[Tensor], device: torch.device) -> Tensor:
+    """One phony on ``device`` that depends on ``phonies`` and whose backward calls ``callback`` after
+    every node autograd records later on this thread: join it into the output of the forward that
+    follows, in place of ``phonies``.
 
-    This marks the end of a stage's backward when no input needs a gradient (the first stage): the
-    last work is then the parameters' gradients. Returns False when the graph feeds no parameter.
+    This times the end of a stage's backward when no input needs a gradient (the first stage), with one
+    node instead of a hook on every node that feeds a parameter, which meant walking the whole graph
+    in Python (a Transformer stage, 165 nodes: 0.75 ms per micro-batch). The engine runs ready nodes
+    in decreasing sequence number (``Node.sequence_nr``, counted per thread in creation order) and,
+    while any node of the forward is left, one of them is ready; so this node, created before all of
+    them, runs after the last. It lives on the stage's device, whose queue runs the stage's nodes.
     """
-    tensors = as_tensors(value)
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen: set[Any] = set()
-    frontier = []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        feeds_leaf = False
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            if type(nxt).__name__ == "AccumulateGrad":
-                feeds_leaf = True
-            else:
-                stack.append(nxt)
-        if feeds_leaf:
-            frontier.append(node)
-    if not frontier:
-        return False
-    remaining = [len(frontier)]
-
-    def done(*_: Any) -> None:
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            callback()
-
-    for node in frontier:
-        node.register_hook(done)
-    return True
+    return _Fence.apply(callback, device, *phonies)

@@ -18,7 +18,7 @@ from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
 from .checkpoint import is_recomputing, overwrites_input, run_checkpointed
 from .errors import Failure
-from .dependency import after_parameter_grads, fork, hop, mark, new_phony
+from .dependency import fence, fork, hop, join, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.namespace import DEFAULT
@@ -122,9 +122,12 @@ class Stage:
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
+            crosses = bool(phonies)  # the output crosses an RPC hop
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
             if inputs_need_grad:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
+            elif meta.grad_enabled:  # ... or after the last node that the forward below records
+                phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
             fn, outgoing = self._runner(meta.step, i, received)
             out = run_checkpointed(fn, value, self._copy_input) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
@@ -132,15 +135,15 @@ class Stage:
                 out = tuple(out)
             if not meta.grad_enabled:
                 return StageOutput(out, None, outgoing)
-            if not inputs_need_grad and not after_parameter_grads(out, backward_end):
-                out = mark(out, backward_end)  # no inputs or parameters needing grad: an instant backward
             started = self._backward_callback(meta.step, i, "start")
-            if phonies:  # the output crosses an RPC hop
+            if crosses:
                 result = StageOutput(*hop(out, phonies, started))
-            else:
+            else:  # in the driver's process: a fence goes where the output's gradient will flow, if any
+                if phonies and microbatch.as_tensors(out)[0].requires_grad:
+                    out = join(out, phonies[0])
                 result = StageOutput(mark(out, started))
             for key, tensor in outgoing.items():
-                if tensor is not None and phonies:  # a skip message must be recorded, like any hop
+                if tensor is not None and crosses:  # a skip message must be recorded, like any hop
                     if tensor.requires_grad:
                         forked, result.skip_phonies[key] = fork(tensor)
                         tensor = forked  # type: ignore[assignment]

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from rrefpipe.dependency import after_parameter_grads, fork, hop, join, mark, new_phony
+from rrefpipe.dependency import fence, fork, hop, join, mark, new_phony
 
 
 def test_fork_join_are_identities_that_pass_gradients():
@@ -99,18 +99,44 @@ def _nodes(out: torch.Tensor) -> list:
     return seen
 
 
-def test_after_parameter_grads_calls_back_after_every_node_ran():
-    """The stage input needs no gradient; the callback comes once, after every node of the graph ran."""
-    module, log = _Branchy(), []
-    out = module(torch.randn(3, 4))
+def _log_every_node(out: torch.Tensor, log: list, tag: object) -> int:
     nodes = _nodes(out)
-    for k, node in enumerate(nodes):  # registered first, so on a shared node they run before the callback
-        node.register_hook(lambda *_, k=k: log.append(k))
-    assert after_parameter_grads(out, lambda: log.append("end"))
-    out.sum().backward()
-    assert sorted(log[:-1]) == list(range(len(nodes))) and log[-1] == "end"
+    for node in nodes:
+        node.register_hook(lambda *_: log.append(tag))
+    return len(nodes)
 
 
-def test_after_parameter_grads_without_parameters_says_so():
-    """A stage with no parameters and an input that needs no gradient has no graph: the caller marks it."""
-    assert not after_parameter_grads(nn.ReLU()(torch.randn(2)), lambda: None)
+def test_fence_calls_back_after_every_node_of_the_later_forward_ran():
+    """The stage input needs no gradient (the first stage); the fence is made before the forward and
+    joined into its output's hop. A parameter-only branch (``scale``) is ready early, and still runs first."""
+    module, log, p = _Branchy(), [], new_phony()
+    wall = fence(lambda: log.append("end"), [p], torch.device("cpu"))
+    assert wall.numel() == 0 and wall.requires_grad
+    out = module(torch.randn(3, 4))
+    count = _log_every_node(out, log, "node")
+    y, _ = hop(out, [wall], lambda: None)
+    y.sum().backward()
+    assert log == ["node"] * count + ["end"]
+    assert p.grad is not None  # the fenced phonies are still reached
+
+
+def test_fences_of_several_microbatches_in_one_backward_end_each_in_turn():
+    """The last stage runs a whole step's backward as one task: micro-batch 1 (made later) first, its
+    fence, then micro-batch 0 and its fence."""
+    module, log, outs = _Branchy(), [], []
+    for i in range(2):
+        wall = fence(lambda i=i: log.append(f"end{i}"), [new_phony()], torch.device("cpu"))
+        out = module(torch.randn(3, 4))
+        counts = _log_every_node(out, log, i)
+        outs.append(hop(out, [wall], lambda: None)[0])
+    sum(y.sum() for y in outs).backward()
+    assert log == [1] * counts + ["end1"] + [0] * counts + ["end0"]
+
+
+def test_a_fence_without_parameters_ends_at_once():
+    """No input or parameter needs a gradient: backward is the hop alone, and the fence right after it."""
+    log: list = []
+    wall = fence(lambda: log.append("end"), [new_phony()], torch.device("cpu"))
+    y, _ = hop(nn.ReLU()(torch.randn(2)), [wall], lambda: log.append("start"))
+    y.sum().backward()
+    assert log == ["start", "end"]

@@ -44,7 +44,7 @@ def test_non_tensor_output_names_the_stage():
 
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_backward_is_recorded_with_or_without_input_gradient(input_grad):
-    """Without an input gradient (the first stage), backward ends when the parameters' gradients do."""
+    """Without an input gradient (the first stage), backward ends after the last node of its forward."""
     stage = _stage()
     for i in range(3):
         x = torch.randn(3, 4, requires_grad=input_grad)

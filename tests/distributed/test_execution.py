@@ -96,7 +96,7 @@ def test_checkpointing_recomputes_the_right_microbatches(cluster, checkpoint, re
         recomputes = sorted(e.microbatch for e in events if e.stage == stage and e.kind == "recompute")
         assert recomputes == list(range(recomputed))
         assert sum(e.stage == stage and e.kind == "forward" for e in events) == 4
-        # the input needs no gradient: stage 0's backward still ends (when its parameters' do)
+        # the input needs no gradient: stage 0's backward still ends (after its forward's last node)
         backward = sorted(e.microbatch for e in events if e.stage == stage and e.kind == "backward")
         assert backward == [0, 1, 2, 3]
 
