@@ -1,7 +1,10 @@
+import time
+
 import pytest
 import torch
 from torch import nn
 
+from rrefpipe.dependency import new_phony
 from rrefpipe.stage import Stage, StepMeta
 
 
@@ -54,6 +57,47 @@ def test_backward_is_recorded_with_or_without_input_gradient(input_grad):
     assert all(e.end >= e.start for e in backward)
     assert not stage._backward_starts  # nothing left behind
 
+
+
+
+class _Stamped(torch.autograd.Function):
+    """``x * w``; its backward notes when it ran (first in the forward, so last in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, w, log):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        ctx.log = log
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, w = ctx.saved_tensors
+        ctx.log.append(time.time())
+        return grad * w, (grad * x).sum(0), None
+
+
+class _Scale(nn.Module):
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Stamped.apply(x, self.w, self.log)
+
+
+@pytest.mark.parametrize("crosses", [True, False])
+def test_first_stage_backward_ends_after_its_first_layer(crosses):
+    """The first layer's backward runs last; the recorded end of backward may not come before it,
+    whether the output goes to another worker (phonies) or stays in this process."""
+    log: list = []
+    stage = Stage(0, nn.Sequential(_Scale(log), nn.Linear(4, 4), nn.Tanh()), torch.device("cpu"), "here")
+    phonies = [new_phony()] if crosses else []
+    for i in range(2):
+        stage.run(_meta(True, 0), i, torch.randn(3, 4), phonies).value.sum().backward()
+    backward = [e for e in stage.recorder.snapshot() if e.kind == "backward"]
+    assert [e.microbatch for e in backward] == [0, 1] and len(log) == 2
+    assert all(e.end >= stamp for e, stamp in zip(backward, log))
 
 
 def test_the_execution_record_keeps_only_recent_events():
