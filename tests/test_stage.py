@@ -58,8 +58,6 @@ def test_backward_is_recorded_with_or_without_input_gradient(input_grad):
     assert not stage._backward_starts  # nothing left behind
 
 
-
-
 class _Stamped(torch.autograd.Function):
     """``x * w``; its backward notes when it ran (first in the forward, so last in backward)."""
 
