@@ -5,8 +5,9 @@
 optimizers TorchScript has a functional twin of (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop,
 Rprop), torch builds that twin on the workers, and it has no ``param_groups`` to schedule or state to
 save. The classes here are those optimizers under the same names, as subclasses: torch builds them as
-the regular ``torch.optim`` optimizer on every worker. Around those, :class:`RemoteLRScheduler` runs any
-``torch.optim.lr_scheduler`` class on every worker, stepped together from the driver, and
+the regular ``torch.optim`` optimizer on every worker (and they drop each step's gradients after it).
+Around those, :class:`RemoteLRScheduler` runs a ``torch.optim.lr_scheduler`` class (or any callable
+that builds a scheduler from an optimizer) on every worker, stepped together from the driver, and
 :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` save and restore their state
 (momentum, Adam's moments), so a resumed run continues exactly where it stopped::
 
@@ -33,35 +34,48 @@ __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "
            "optimizer_state_dict", "load_optimizer_state_dict"]
 
 
-class SGD(torch.optim.SGD):
+class _OneStepGradients(Optimizer):
+    """Drops the gradients after each step. torch's ``_LocalOptimizer`` copies a context's gradients
+    into ``.grad`` and never clears them: a parameter without a gradient in a later step would be
+    stepped again with the old one (as a plain loop that never calls ``zero_grad`` would), and every
+    worker would keep a full set of gradients alive between steps."""
+
+    def step(self, closure: Any = None) -> Any:
+        try:
+            return super().step(closure)
+        finally:
+            self.zero_grad(set_to_none=True)
+
+
+class SGD(_OneStepGradients, torch.optim.SGD):
     """``torch.optim.SGD``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adam(torch.optim.Adam):
+class Adam(_OneStepGradients, torch.optim.Adam):
     """``torch.optim.Adam``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(_OneStepGradients, torch.optim.AdamW):
     """``torch.optim.AdamW``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adagrad(torch.optim.Adagrad):
+class Adagrad(_OneStepGradients, torch.optim.Adagrad):
     """``torch.optim.Adagrad``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adadelta(torch.optim.Adadelta):
+class Adadelta(_OneStepGradients, torch.optim.Adadelta):
     """``torch.optim.Adadelta``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adamax(torch.optim.Adamax):
+class Adamax(_OneStepGradients, torch.optim.Adamax):
     """``torch.optim.Adamax``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class RMSprop(torch.optim.RMSprop):
+class RMSprop(_OneStepGradients, torch.optim.RMSprop):
     """``torch.optim.RMSprop``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Rprop(torch.optim.Rprop):
+class Rprop(_OneStepGradients, torch.optim.Rprop):
     """``torch.optim.Rprop``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
@@ -90,9 +104,11 @@ def _remote_optimizers(optimizer: DistributedOptimizer) -> list[rpc.RRef]:
     return list(optimizer.remote_optimizers)
 
 
-def _local(optimizer_rref: rpc.RRef) -> Optimizer:
-    """The torch.optim optimizer a ``DistributedOptimizer`` keeps on this worker."""
-    return optimizer_rref.local_value().optim
+def _local(optimizer_rref: rpc.RRef) -> tuple[Optimizer, Any]:
+    """The torch.optim optimizer a ``DistributedOptimizer`` keeps on this worker, and the lock its
+    ``step`` takes (``_LocalOptimizer.global_lock``)."""
+    wrapper = optimizer_rref.local_value()
+    return wrapper.optim, type(wrapper).global_lock
 
 
 def _to_cpu(value: Any) -> Any:
@@ -106,81 +122,140 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _state_dict(obj_rref: rpc.RRef, optimizer: bool) -> dict[str, Any]:
-    obj = _local(obj_rref) if optimizer else obj_rref.local_value()
-    return _to_cpu(obj.state_dict())
+def _shapes(optimizer: Optimizer) -> list[list[int]]:
+    return [list(p.shape) for group in optimizer.param_groups for p in group["params"]]
 
 
-def _load_state_dict(obj_rref: rpc.RRef, optimizer: bool, state: dict[str, Any]) -> None:
-    obj = _local(obj_rref) if optimizer else obj_rref.local_value()
-    obj.load_state_dict(state)  # a torch optimizer moves its state to its parameters' devices
+def _optimizer_state(optimizer_rref: rpc.RRef) -> dict[str, Any]:
+    optimizer, lock = _local(optimizer_rref)
+    with lock:
+        return {"state_dict": _to_cpu(optimizer.state_dict()), "shapes": _shapes(optimizer)}
 
 
-def _new_scheduler(optimizer_rref: rpc.RRef, factory: bytes) -> rpc.RRef:
-    scheduler_class, args, kwargs = pickle.loads(factory)
-    return rpc.RRef(scheduler_class(_local(optimizer_rref), *args, **kwargs))
+def _refusal(optimizer_rref: rpc.RRef, saved: Any) -> str | None:
+    """Why ``saved`` does not fit this worker's optimizer, if it does not."""
+    optimizer, _ = _local(optimizer_rref)
+    shapes = saved.get("shapes") if isinstance(saved, dict) else None
+    if shapes != _shapes(optimizer):
+        return f"the state saved is for parameters of shapes {shapes}, this one's are {_shapes(optimizer)}"
+    return None
 
 
-def _call(obj_rref: rpc.RRef, method: str) -> Any:
-    return getattr(obj_rref.local_value(), method)()
+def _load_optimizer_state(optimizer_rref: rpc.RRef, saved: dict[str, Any]) -> None:
+    optimizer, lock = _local(optimizer_rref)
+    with lock:
+        optimizer.load_state_dict(saved["state_dict"])  # moves the state to the parameters' devices
 
 
-def _on_each(rrefs: list[rpc.RRef], fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """``fn(rref, *args)`` on each RRef's owner, all at once; the results in order."""
-    futures = [rpc.rpc_async(rref.owner(), fn, args=(rref, *args)) for rref in rrefs]
-    return [future.wait() for future in futures]
+class _Scheduled:
+    """A scheduler on a worker, with the lock its optimizer's steps take."""
+
+    def __init__(self, optimizer_rref: rpc.RRef, factory: bytes) -> None:
+        optimizer, self.lock = _local(optimizer_rref)
+        make, args, kwargs = pickle.loads(factory)
+        self.scheduler = make(optimizer, *args, **kwargs)
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self.lock:
+            result = getattr(self.scheduler, method)(*args)
+        return _to_cpu(result) if method == "state_dict" else result
+
+
+def _new_scheduler(optimizer_rref: rpc.RRef, factory: bytes) -> tuple[rpc.RRef, bool]:
+    """The scheduler's RRef, and whether it steps on a metric (refused by the driver)."""
+    scheduled = _Scheduled(optimizer_rref, factory)
+    return rpc.RRef(scheduled), isinstance(scheduled.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _call(scheduled_rref: rpc.RRef, method: str, *args: Any) -> Any:
+    return scheduled_rref.local_value().call(method, *args)
+
+
+def _on_each(rrefs: list[rpc.RRef], fn: Callable[..., Any], per_rref: list[tuple[Any, ...]] | None = None,
+             what: str = "") -> list[Any]:
+    """``fn(rref, *args)`` on each RRef's owner, all at once (``args`` from ``per_rref``, or none); the
+    results in order. A failure names the worker."""
+    calls = per_rref if per_rref is not None else [()] * len(rrefs)
+    futures = [(rref.owner().name, rpc.rpc_async(rref.owner(), fn, args=(rref, *args)))
+               for rref, args in zip(rrefs, calls)]
+    results: list[Any] = []
+    failure: tuple[str, Exception] | None = None
+    for worker, future in futures:  # wait for every one: nothing is left running behind an error
+        try:
+            results.append(future.wait())
+        except Exception as exc:
+            failure = failure or (worker, exc)
+    if failure is not None:
+        worker, cause = failure
+        lines = str(cause).strip().splitlines() or [type(cause).__name__]
+        detail = lines[1] if len(lines) > 1 and "On WorkerInfo" in lines[0] else lines[0]  # the remote repr
+        raise RuntimeError(f"{what} on worker {worker!r} failed: {detail}") from cause
+    return results
+
+
+def _per_worker(states: Any, count: int, what: str) -> list[tuple[Any, ...]]:
+    if not isinstance(states, list) or len(states) != count:
+        got = f"a list of {len(states)}" if isinstance(states, list) else type(states).__name__
+        raise ValueError(f"expected a list of {count} {what} states, one per worker as saved, got {got}")
+    return [(state,) for state in states]
 
 
 def optimizer_state_dict(optimizer: DistributedOptimizer) -> list[dict[str, Any]]:
-    """The ``state_dict()`` of each worker's optimizer (tensors on the CPU), for a checkpoint."""
-    return _on_each(_remote_optimizers(optimizer), _state_dict, True)
+    """Each worker's optimizer state (its ``state_dict()``, tensors on the CPU), for a checkpoint."""
+    return _on_each(_remote_optimizers(optimizer), _optimizer_state, what="saving the optimizer state")
 
 
 def load_optimizer_state_dict(optimizer: DistributedOptimizer, states: list[dict[str, Any]]) -> None:
-    """Restore what :func:`optimizer_state_dict` saved, into an optimizer over the same stages."""
-    _load_each(_remote_optimizers(optimizer), True, states)
-
-
-def _load_each(rrefs: list[rpc.RRef], optimizer: bool, states: list[dict[str, Any]]) -> None:
-    what = "optimizer" if optimizer else "scheduler"
-    if not isinstance(states, list) or len(states) != len(rrefs):
-        got = f"a list of {len(states)}" if isinstance(states, list) else type(states).__name__
-        raise ValueError(f"expected a list of {len(rrefs)} {what} states, one per worker as saved, got {got}")
-    futures = [rpc.rpc_async(rref.owner(), _load_state_dict, args=(rref, optimizer, state))
-               for rref, state in zip(rrefs, states)]
-    for future in futures:
-        future.wait()
+    """Restore what :func:`optimizer_state_dict` saved, into an optimizer over the same stages (checked
+    by the shapes of each worker's parameters)."""
+    rrefs = _remote_optimizers(optimizer)
+    states_each = _per_worker(states, len(rrefs), "optimizer")
+    refusals = _on_each(rrefs, _refusal, states_each, what="checking the optimizer state")
+    for k, (rref, refusal) in enumerate(zip(rrefs, refusals)):
+        if refusal is not None:  # checked everywhere before anything is loaded
+            raise ValueError(f"optimizer state {k} does not fit the optimizer on worker {rref.owner().name!r}: "
+                             f"{refusal}. Save and load over the same stages, in the same order")
+    _on_each(rrefs, _load_optimizer_state, states_each, what="loading the optimizer state")
 
 
 class RemoteLRScheduler:
-    """A ``torch.optim.lr_scheduler`` class run on every worker of a ``DistributedOptimizer``.
+    """A learning-rate scheduler next to every worker's optimizer of a ``DistributedOptimizer``.
 
     ``RemoteLRScheduler(opt, torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=1000)`` builds
-    ``OneCycleLR(worker_optimizer, max_lr=0.1, total_steps=1000)`` next to each worker's optimizer;
-    :meth:`step` steps them all (call it where you would call ``scheduler.step()``, after ``opt.step``).
-    The class and its arguments travel by value (cloudpickle), so ``LambdaLR`` with a lambda from your
-    script works. Schedulers that read a metric (``ReduceLROnPlateau``) are not supported.
+    ``OneCycleLR(worker_optimizer, max_lr=0.1, total_steps=1000)`` on each worker; :meth:`step` steps
+    them all (call it where you would call ``scheduler.step()``, after ``opt.step``). Any callable that
+    takes the optimizer first works, so schedulers made of schedulers go as a function:
+    ``RemoteLRScheduler(opt, lambda o: SequentialLR(o, [LinearLR(o, 0.1), CosineAnnealingLR(o, 90)], [10]))``.
+    The callable and its arguments are cloudpickled: lambdas and what your script (``__main__``) defines
+    travel by value, anything importable by reference (it must import on the workers).
+    ``ReduceLROnPlateau``, which steps on a metric, is refused.
     """
 
-    def __init__(self, optimizer: DistributedOptimizer, scheduler_class: Callable[..., Any], *args: Any,
+    def __init__(self, optimizer: DistributedOptimizer, scheduler: Callable[..., Any], *args: Any,
                  **kwargs: Any) -> None:
-        if isinstance(scheduler_class, type) and issubclass(scheduler_class, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        rrefs = _remote_optimizers(optimizer)
+        factory = cloudpickle.dumps((scheduler, args, kwargs))
+        built = _on_each(rrefs, _new_scheduler, [(factory,)] * len(rrefs), what="building the scheduler")
+        if any(on_metric for _, on_metric in built):
             raise TypeError("ReduceLROnPlateau steps on a metric, which RemoteLRScheduler.step() does not take")
-        factory = cloudpickle.dumps((scheduler_class, args, kwargs))  # by value: LambdaLR's lambdas too
-        self._schedulers = _on_each(_remote_optimizers(optimizer), _new_scheduler, factory)
+        self._schedulers = [rref for rref, _ in built]
+
+    def _each(self, method: str, per_worker: list[tuple[Any, ...]] | None = None) -> list[Any]:
+        calls = [(method, *args) for args in per_worker] if per_worker else [(method,)] * len(self._schedulers)
+        return _on_each(self._schedulers, _call, calls, what=f"scheduler.{method}()")
 
     def step(self) -> None:
         """``scheduler.step()`` on every worker."""
-        _on_each(self._schedulers, _call, "step")
+        self._each("step")
 
     def get_last_lr(self) -> list[float]:
         """The learning rate of every parameter group, worker after worker."""
-        return [lr for lrs in _on_each(self._schedulers, _call, "get_last_lr") for lr in lrs]
+        return [lr for lrs in self._each("get_last_lr") for lr in lrs]
 
     def state_dict(self) -> list[dict[str, Any]]:
         """Each worker's scheduler state, for a checkpoint."""
-        return _on_each(self._schedulers, _state_dict, False)
+        return self._each("state_dict")
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        _load_each(self._schedulers, False, states)
+        self._each("load_state_dict", _per_worker(states, len(self._schedulers), "scheduler"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -40,3 +41,24 @@ def train_side_by_side(pipe: Pipe, reference: nn.Module, batches: Iterable[tuple
         plain_opt.step()
         plain_losses.append(plain_loss.item())
     return pipe_losses, plain_losses
+
+
+def pipe_steps(pipe: Pipe, opt: DistributedOptimizer, sched: Any, batches: Iterable[tuple[Tensor, Tensor]]) -> None:
+    """Cross-entropy steps through the pipe, each followed by ``sched.step()`` (if a scheduler)."""
+    for x, y in batches:
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+            opt.step(ctx)
+        if sched is not None:
+            sched.step()
+
+
+def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batches: Iterable[tuple[Tensor, Tensor]],
+                device: str = "cpu") -> None:
+    """The same steps on the plain model, on ``device``."""
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()

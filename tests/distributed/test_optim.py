@@ -3,34 +3,22 @@ import logging
 
 import pytest
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
-from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau, StepLR
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LinearLR, ReduceLROnPlateau, SequentialLR, StepLR
 
 import rrefpipe.optim
 from rrefpipe import Pipe
 from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
-from tests.layers import mlp, twin
-from tests.training import blobs
+from tests.layers import WideOnly, mlp, twin
+from tests.training import blobs, pipe_steps, plain_steps
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def pipe_steps(pipe, opt, sched, batches):
-    for x, y in batches:
-        with dist_autograd.context() as ctx:
-            pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
-            opt.step(ctx)
-        sched.step()
-
-
-def plain_steps(model, opt, sched, batches):
-    for x, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        sched.step()
+def assert_same_weights(trained: dict, reference: nn.Module) -> None:
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value)
 
 
 def test_a_lambda_schedule_with_momentum_matches_plain_training(cluster):
@@ -45,12 +33,47 @@ def test_a_lambda_schedule_with_momentum_matches_plain_training(cluster):
     with Pipe(model, chunks=2, balance=[2, 3], workers=cluster.names[:2]) as pipe:
         opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.2, momentum=0.9)
         sched = RemoteLRScheduler(opt, LambdaLR, lr_lambda=warmup)
-        assert sched.get_last_lr() == pytest.approx([0.2 / 3] * 2)  # one parameter group per stage
+        assert sched.get_last_lr() == pytest.approx([0.2 / 3] * 2)  # one parameter group per worker
         pipe_steps(pipe, opt, sched, batches)
         assert sched.get_last_lr() == pytest.approx(plain_sched.get_last_lr() * 2)
         trained = pipe.state_dict()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained[key], value)
+    assert_same_weights(trained, reference)
+
+
+def test_a_parameter_without_a_gradient_in_a_step_is_left_alone(cluster):
+    """torch's DistributedOptimizer copies gradients into .grad and never clears them: without
+    dropping them after each step, the bias below would be stepped again (with momentum) on the
+    narrow batch that gives it no gradient. Plain PyTorch, zero_grad() between steps, skips it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), WideOnly(8), nn.Tanh(), nn.Linear(8, 4))
+    reference = twin(model)
+    wide, narrow = next(blobs(1, 8, seed=3)), next(blobs(1, 4, seed=4))
+    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), None, [wide, narrow])
+    with Pipe(model, chunks=1, balance=[2, 2], workers=cluster.names[:2]) as pipe:
+        opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.1, momentum=0.9)
+        pipe_steps(pipe, opt, None, [wide, narrow])
+        trained = pipe.state_dict()
+    assert_same_weights(trained, reference)
+
+
+def test_a_scheduler_made_of_schedulers_goes_as_a_function(cluster):
+    model = mlp([10, 8, 4], seed=6)
+    reference = twin(model)
+    batches = list(blobs(4, 8, seed=1))
+
+    def warmup_then_decay(o):
+        return SequentialLR(o, [LinearLR(o, start_factor=0.25, total_iters=2), StepLR(o, 1, gamma=0.5)], [2])
+
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.4)
+    plain_sched = warmup_then_decay(plain_opt)
+    plain_steps(reference, plain_opt, plain_sched, batches)
+    with Pipe(model, chunks=2, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.4)
+        sched = RemoteLRScheduler(opt, warmup_then_decay)
+        pipe_steps(pipe, opt, sched, batches)
+        assert sched.get_last_lr() == pytest.approx(plain_sched.get_last_lr() * 2)
+        trained = pipe.state_dict()
+    assert_same_weights(trained, reference)
 
 
 def test_resuming_from_saved_optimizer_and_scheduler_states_continues_exactly(cluster):
@@ -124,8 +147,14 @@ def test_what_cannot_be_scheduled_or_restored_is_refused(cluster):
         opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
         with pytest.raises(TypeError, match="ReduceLROnPlateau"):
             RemoteLRScheduler(opt, ReduceLROnPlateau)
+        with pytest.raises(TypeError, match="ReduceLROnPlateau"):
+            RemoteLRScheduler(opt, lambda o: ReduceLROnPlateau(o, patience=2))
+        with pytest.raises(ValueError, match=r"state 0 does not fit the optimizer on worker 'worker1': .*shapes \[\[4, 8\]"):
+            load_optimizer_state_dict(opt, optimizer_state_dict(opt)[::-1])  # stage 1's state into stage 0
         with pytest.raises(ValueError, match="a list of 2 optimizer states, .* got a list of 1"):
             load_optimizer_state_dict(opt, optimizer_state_dict(opt)[:1])
+        with pytest.raises(RuntimeError, match="building the scheduler on worker 'worker1' failed: ZeroDivisionError"):
+            RemoteLRScheduler(opt, lambda o: 1 / 0)
         sched = RemoteLRScheduler(opt, StepLR, step_size=1)
         with pytest.raises(ValueError, match="a list of 2 scheduler states, .* got dict"):
             sched.load_state_dict(sched.state_dict()[0])

@@ -10,11 +10,14 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
+from torch.distributed.optim import DistributedOptimizer
 
+import rrefpipe.optim
 from rrefpipe import Pipe, memory
+from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
 from tests.distributed import probes
 from tests.layers import mlp, skip_model
-from tests.training import blobs, train_side_by_side
+from tests.training import blobs, pipe_steps, plain_steps, train_side_by_side
 
 #: The device of the GPU stages. Setting it to "cpu" dry-runs the scenarios on a machine without one.
 GPU = os.environ.get("RREFPIPE_TEST_GPU", "cuda:0")
@@ -86,10 +89,40 @@ def training_with_distributed_optimizer() -> None:
         torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-3, atol=1e-4)
 
 
+def optimizer_state_and_schedule() -> None:
+    """Adam with StepLR on GPU stages: saved after 2 steps (tensors on the CPU), loaded into a new pipe,
+    2 more steps equal 4 plain ones on the GPU."""
+    model = mlp([10, 16, 4], seed=4)
+    batches = list(blobs(4, 12, seed=8))
+    reference = copy.deepcopy(model).to(GPU)
+    plain_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    plain_steps(reference, plain_opt, torch.optim.lr_scheduler.StepLR(plain_opt, step_size=2, gamma=0.5), batches,
+                device=GPU)
+
+    def build(pipe: Pipe) -> tuple[object, RemoteLRScheduler]:
+        opt = DistributedOptimizer(rrefpipe.optim.Adam, pipe.parameter_rrefs(), lr=0.01)
+        return opt, RemoteLRScheduler(opt, torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
+
+    with Pipe(copy.deepcopy(model), chunks=3, balance=[1, 2], devices=[GPU, GPU]) as pipe:
+        opt, sched = build(pipe)
+        pipe_steps(pipe, opt, sched, batches[:2])
+        saved = pipe.state_dict(), optimizer_state_dict(opt), sched.state_dict()
+    moments = [t for state in saved[1] for per_param in state["state"].values() for t in per_param.values()]
+    assert moments and all(t.device.type == "cpu" for t in moments)
+    with Pipe(copy.deepcopy(model), chunks=3, balance=[1, 2], devices=[GPU, GPU]) as pipe:
+        pipe.load_state_dict(saved[0])
+        opt, sched = build(pipe)
+        load_optimizer_state_dict(opt, saved[1])
+        sched.load_state_dict(saved[2])
+        pipe_steps(pipe, opt, sched, batches[2:])
+        resumed = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(resumed[key], value.cpu(), **TOLERANCE)
+
+
 def autocast_and_clipping() -> None:
     """bfloat16 autocast around the forward on GPU stages, and gradients clipped across the stages
     before the optimizer's step: the same weights as plain training on the GPU, to bfloat16's rounding."""
-    from torch.distributed.optim import DistributedOptimizer
 
     kind = torch.device(GPU).type
     model = mlp([10, 32, 32, 4], seed=7)
@@ -163,7 +196,6 @@ def optimizer_steps_are_ordered() -> None:
     """The step of ``DistributedOptimizer`` runs in an RPC body of its own on each worker. It must use
     the gradients backward left (written late here), and the stage must read the weights it wrote
     (written late here too) in the next forward and in ``state_dict``."""
-    from torch.distributed.optim import DistributedOptimizer
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(10, 32), LateGradient(), nn.ReLU(), nn.Linear(32, 32), LateGradient(),
@@ -377,7 +409,6 @@ def cuda_allocated() -> int:
 def stage_memory_is_steady() -> None:
     """A stage computes on one CUDA stream: its GPU memory stops growing after the first steps. On the
     streams of TensorPipe's pool it grew by a cuBLAS workspace for every new stream (2 GiB a worker)."""
-    from torch.distributed.optim import DistributedOptimizer
 
     model = mlp([64, 256, 256, 256, 64])
     x = torch.randn(64, 64)

@@ -52,6 +52,10 @@ def test_training_with_the_distributed_optimizer():
     scenario("training_with_distributed_optimizer()")
 
 
+def test_optimizer_state_and_learning_rate_schedule_on_gpu_stages():
+    scenario("optimizer_state_and_schedule()")
+
+
 def test_optimizer_steps_are_ordered_after_backward_and_before_the_next_forward():
     scenario("optimizer_steps_are_ordered()")
 
