@@ -107,7 +107,8 @@ def optimizer_state_and_schedule() -> None:
         opt, sched = build(pipe)
         pipe_steps(pipe, opt, sched, batches[:2])
         saved = pipe.state_dict(), optimizer_state_dict(opt), sched.state_dict()
-    moments = [t for state in saved[1] for per_param in state["state"].values() for t in per_param.values()]
+    moments = [t for saved_state in saved[1] for per_param in saved_state["state_dict"]["state"].values()
+               for t in per_param.values()]
     assert moments and all(t.device.type == "cpu" for t in moments)
     with Pipe(copy.deepcopy(model), chunks=3, balance=[1, 2], devices=[GPU, GPU]) as pipe:
         pipe.load_state_dict(saved[0])
