@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from suite_targets import contended_bubble, core_bound  # noqa: E402  (the benchmarks are scripts, not a package)
+from suite_targets import contended_bubble, core_bound, round_ratios, vs_pipelining  # noqa: E402  (the benchmarks are scripts, not a package)
 
 
 def section(forward_ms: list[float], backward_ms: list[float], chunks: int) -> dict[str, object]:
@@ -66,3 +66,29 @@ def test_no_contention_is_the_bubble_model() -> None:
 def test_contention_not_measured() -> None:
     assert contended_bubble(section([1.0, 1.0], [2.0, 2.0], 8), 8, "never") is None
     assert contended_bubble(contended(section([1.0, 1.0], [2.0, 2.0], 8), 16, [1.1, 1.1]), 8, "never") is None
+
+
+def cell(chunks: int, rr_rounds_ms: list[float], gp_rounds_ms: list[float]) -> dict[str, object]:
+    def row(rounds_ms: list[float]) -> dict[str, object]:
+        return {"samples_per_s": 1e3 / sorted(rounds_ms)[len(rounds_ms) // 2], "round_medians_ms": rounds_ms}
+    return {"chunks": chunks, "contestants": {"never": row(rr_rounds_ms), "gpipe": row(gp_rounds_ms)}}
+
+
+def test_cells_behind_in_every_round() -> None:
+    # m=4: behind in all three rounds; m=8: behind pooled, ahead in one round; m=16: ahead; m=2: above 0.9.
+    result = {"sections": [{"name": "mlp", "stages": 2, "rows": [
+        cell(2, [105.0, 105.0, 105.0], [100.0, 100.0, 100.0]),
+        cell(4, [110.0, 104.0, 120.0], [100.0, 100.0, 100.0]),
+        cell(8, [110.0, 95.0, 110.0], [100.0, 100.0, 100.0]),
+        cell(16, [90.0, 90.0, 90.0], [100.0, 100.0, 100.0])]}]}
+    target = vs_pipelining(result)
+    assert target["met"] is False
+    assert "m>=4: 1/3 at >= 1.0" in target["detail"]
+    assert "of the 2 below the bar, under it in each of the 3 rounds: mlp 2st m=4 0.91/0.96/0.83" in target["detail"]
+    assert "m=8" not in target["detail"].split("rounds:")[1]
+
+
+def test_round_ratios_pair_rounds() -> None:
+    rr = {"round_medians_ms": [100.0, 200.0]}
+    assert round_ratios(rr, {"round_medians_ms": [110.0, 100.0]}) == pytest.approx([1.1, 0.5])
+    assert round_ratios({}, {"round_medians_ms": [1.0]}) == []
