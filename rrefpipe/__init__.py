@@ -1,10 +1,11 @@
 """rrefpipe: GPipe-style pipeline parallelism over ``torch.distributed.rpc`` stage workers."""
 from .checkpoint import is_checkpointing, is_recomputing
 from .errors import StageError, WorkerError
+from .grad_scaler import GradScaler
 from .pipe import Pipe
 from .stage import StageInfo
 from .trace import Event, format_events
 
-__all__ = ["Pipe", "StageError", "WorkerError", "StageInfo", "Event", "format_events", "is_checkpointing",
+__all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events", "is_checkpointing",
            "is_recomputing"]
 __version__ = "0.1.0"

@@ -146,6 +146,9 @@ class RemoteDriver:
     def scale_gradients(self, context_id: int, factor: float) -> None:
         self._call_all(server.scale_gradients, context_id, factor)
 
+    def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
+        return self._call_all(server.unscale_gradients, context_id, inv_scale)
+
     def state_dict(self) -> dict[str, Tensor]:
         state: dict[str, Tensor] = {}
         for part in self._call_all(server.state_dict):

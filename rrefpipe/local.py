@@ -12,7 +12,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, clip, microbatch
+from . import _rpc, clip, grad_scaler, microbatch
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop, clock_cycles
 from .skip.layout import route
@@ -49,6 +49,9 @@ class LocalDriver:
 
     def scale_gradients(self, context_id: int, factor: float) -> None:
         clip.scale(self._gradients(context_id), factor)
+
+    def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
+        return [grad_scaler.unscale(self._gradients(context_id), inv_scale)]
 
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
         batches = microbatch.scatter(value, self.chunks)

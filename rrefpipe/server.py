@@ -25,7 +25,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.futures import Future
 
-from . import clip, microbatch
+from . import clip, grad_scaler, microbatch
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -509,6 +509,16 @@ def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) ->
     with server.stream.running():
         clip.scale(clip.context_gradients(server.stage.module, context_id), factor)
     server.stream.settle()
+
+
+def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: float) -> bool:
+    """Unscale this stage's gradients in the context in place (before the reply, as scaling); whether
+    any held an inf or a nan."""
+    server = _server(pipe_id, index)
+    with server.stream.running():
+        found = grad_scaler.unscale(clip.context_gradients(server.stage.module, context_id), inv_scale)
+    server.stream.settle()
+    return found
 
 
 def set_training(pipe_id: str, index: int, mode: bool) -> None:

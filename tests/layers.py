@@ -140,6 +140,29 @@ class WideOnly(nn.Module):
         return x + self.bias if x.shape[0] > 4 else x
 
 
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, threshold: float) -> Tensor:  # type: ignore[override]
+        ctx.overflow = bool(x.abs().max() > threshold)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return (grad * float("inf") if ctx.overflow else grad), None
+
+
+class OverflowBelow(nn.Module):
+    """Identity; in backward, an inf gradient for the layers before it when its input exceeds
+    ``threshold`` somewhere: an overflow in the gradients of the earlier stages only."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _InfGradient.apply(x, self.threshold)
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
+from tests.layers import OverflowBelow
 
 
 def blobs(steps: int, batch: int, seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
@@ -62,3 +63,19 @@ def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batche
         opt.step()
         if sched is not None:
             sched.step()
+
+
+Batches = list[tuple[Tensor, Tensor]]
+
+
+def model_overflowing_on_stage_0() -> nn.Sequential:
+    """Balanced [1, 5]: a batch of large inputs gives stage 0 inf gradients, stage 1 finite ones."""
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(10, 16), OverflowBelow(threshold=50.0), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+def batches_with_overflows(steps: int, bad: Iterable[int]) -> Batches:
+    """Batches of 8; those numbered in ``bad`` 100 times as large (they overflow the model above)."""
+    large = set(bad)
+    return [(x * 100 if k in large else x, y) for k, (x, y) in enumerate(blobs(steps, 8, seed=4))]

@@ -13,11 +13,12 @@ from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
 
 import rrefpipe.optim
-from rrefpipe import Pipe, memory
+from rrefpipe import GradScaler, Pipe, memory
 from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
 from tests.distributed import probes
 from tests.layers import mlp, skip_model
-from tests.training import blobs, pipe_steps, plain_steps, train_side_by_side
+from tests.training import (batches_with_overflows, blobs, model_overflowing_on_stage_0, pipe_steps, plain_steps,
+                            train_side_by_side)
 
 #: The device of the GPU stages. Setting it to "cpu" dry-runs the scenarios on a machine without one.
 GPU = os.environ.get("RREFPIPE_TEST_GPU", "cuda:0")
@@ -151,6 +152,41 @@ def autocast_and_clipping() -> None:
             for name, p in reference.named_parameters():  # clipped by the total norm (to 0.01 together)
                 torch.testing.assert_close(grads[name], p.grad.cpu(), rtol=1e-2, atol=1e-5)
             plain_opt.step()
+        trained = pipe.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-2, atol=1e-3)
+
+
+def float16_loss_scaling() -> None:
+    """float16 autocast on GPU stages with rrefpipe.GradScaler: the scale of torch.amp.GradScaler on
+    the plain model on the GPU after every step, and its weights, over steps where stage 0's gradients
+    overflow (skipped on every stage)."""
+    kind = torch.device(GPU).type
+    model = model_overflowing_on_stage_0()
+    reference = copy.deepcopy(model).to(GPU)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    plain_scaler = torch.amp.GradScaler(kind, init_scale=2.0**10, growth_interval=2)
+    with Pipe(model, chunks=2, balance=[1, 5], devices=[GPU, GPU]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05)
+        scaler = GradScaler(pipe, init_scale=2.0**10, growth_interval=2)
+        for x, y in batches_with_overflows(8, bad=[2, 5]):
+            with dist_autograd.context() as ctx:
+                with torch.autocast(kind, dtype=torch.float16):
+                    out = pipe(x).local_value()
+                assert out.dtype == torch.float16
+                pipe.backward(ctx, scaler.scale(nn.functional.cross_entropy(out.float(), y)))
+                scaler.step(opt, ctx)
+            scaler.update()
+            plain_opt.zero_grad()
+            outs = []
+            for part in x.to(GPU).chunk(2):  # a region per micro-batch, as on the stages
+                with torch.autocast(kind, dtype=torch.float16):
+                    outs.append(reference(part))
+            plain_scaler.scale(nn.functional.cross_entropy(torch.cat(outs).float(), y.to(GPU))).backward()
+            plain_scaler.step(plain_opt)
+            plain_scaler.update()
+            assert scaler.get_scale() == plain_scaler.get_scale(), (scaler.get_scale(), plain_scaler.get_scale())
+        assert scaler.get_scale() == 2.0**11  # two backoffs and three growths: the overflows happened
         trained = pipe.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(trained[key], value.cpu(), rtol=1e-2, atol=1e-3)

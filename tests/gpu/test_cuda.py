@@ -64,6 +64,10 @@ def test_autocast_and_gradient_clipping_on_gpu_stages():
     scenario("autocast_and_clipping()")
 
 
+def test_float16_loss_scaling_on_gpu_stages():
+    scenario("float16_loss_scaling()")
+
+
 def test_automatic_balance_on_the_gpu():
     scenario("automatic_balance()")
 
