@@ -12,6 +12,7 @@ arithmetic (a float32 scale, torch's own update op) and the ``state_dict`` are t
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,8 +42,9 @@ def unscale(grads: Sequence[Tensor], inv_scale: float) -> bool:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
     found = False
     for (device, _), group in groups.items():  # torch's kernel takes one device and dtype at a time
-        found_inf = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, torch.full((1,), inv_scale, device=device))
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)  # float32 whatever the default dtype
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
         found = bool(found_inf.item()) or found
     return found
 
@@ -60,7 +62,9 @@ class GradScaler:
             scaler.update()
 
     Arguments and defaults as torch's; ``step`` and ``unscale_`` take the context (where ``opt.step``
-    does), and ``unscale_`` unscales every stage's gradients in it.
+    does). What it unscales and checks is the gradients of this pipe's stages: an optimizer that also
+    holds other parameters (a second pipe's, the driver's) would step theirs scaled. And one overflow
+    skips every optimizer stepped in that context, where torch skips only the optimizer that holds it.
     """
 
     def __init__(self, pipe: Pipe, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -72,8 +76,12 @@ class GradScaler:
         if not init_scale > 0 or not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"need init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1, got {init_scale}, "
                              f"{growth_factor} and {backoff_factor}")
-        if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        try:
+            growth_interval = operator.index(growth_interval)
+        except TypeError:
+            raise TypeError(f"growth_interval must be an int, got {growth_interval!r}") from None
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
         self._pipe = pipe
         self._enabled = enabled
         self._scale = torch.full((1,), float(init_scale), dtype=torch.float32)
@@ -81,6 +89,7 @@ class GradScaler:
         self._growth_factor, self._backoff_factor, self._growth_interval = growth_factor, backoff_factor, growth_interval
         self._found_inf: dict[int, bool] = {}  # the contexts unscaled since the last update()
         self._stepped: set[int] = set()  # id() of the optimizers stepped since then
+        self._stepped_contexts: set[int] = set()
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -103,17 +112,22 @@ class GradScaler:
         """Divide every stage's gradients in ``context_id`` by the scale, in place (before clipping them)."""
         if not self._enabled:
             return
+        if context_id in self._stepped_contexts:
+            raise RuntimeError(f"unscale_() is being called after step() on context {context_id}")
         if context_id in self._found_inf:
             raise RuntimeError(f"unscale_() has already been called on context {context_id} since the last update()")
         if not _rpc.context_exists(context_id):
             raise RuntimeError(f"no dist_autograd context {context_id!r} in this process: unscale inside the "
                                "`with dist_autograd.context() as context_id:` block, after backward")
         inv_scale = float(self._scale.double().reciprocal().float())  # rounded as torch rounds it
+        self._found_inf[context_id] = True  # until every stage has answered: if one fails, the stages
+        # before it are unscaled and the rest not, and step() must not step such gradients
         self._found_inf[context_id] = any(self._pipe._driver.unscale_gradients(context_id, inv_scale))
 
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> None:
         """``optimizer.step(context_id)`` with the unscaled gradients, or nothing on any worker when a
-        stage's gradients held an inf or a nan (``update()`` then lowers the scale)."""
+        stage's gradients held an inf or a nan (``update()`` then lowers the scale), or when unscaling
+        them failed part-way (``unscale_`` raised)."""
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"expected a torch.distributed.optim.DistributedOptimizer, got {type(optimizer).__name__} "
                             "(in a world of one, with a local optimizer and loss.backward(), use torch.amp.GradScaler)")
@@ -124,9 +138,10 @@ class GradScaler:
             raise RuntimeError("step() has already been called on this optimizer since the last update()")
         if context_id not in self._found_inf:
             self.unscale_(context_id)
-        self._stepped.add(id(optimizer))
         if not self._found_inf[context_id]:
             optimizer.step(context_id)
+        self._stepped.add(id(optimizer))  # after the step: one that failed may be tried again
+        self._stepped_contexts.add(context_id)
 
     def update(self, new_scale: float | None = None) -> None:
         """After ``step``: lower the scale if a step was skipped, raise it after ``growth_interval`` good
@@ -138,11 +153,12 @@ class GradScaler:
         elif not self._found_inf:
             raise RuntimeError("no inf checks were recorded before update(): call step(optimizer, context_id) first")
         else:
-            found_inf = torch.tensor([float(any(self._found_inf.values()))])
+            found_inf = torch.tensor([float(any(self._found_inf.values()))], dtype=torch.float32)
             torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
         self._found_inf.clear()
         self._stepped.clear()
+        self._stepped_contexts.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's keys: a checkpoint of ``torch.amp.GradScaler`` loads here, and this one there."""

@@ -140,27 +140,36 @@ class WideOnly(nn.Module):
         return x + self.bias if x.shape[0] > 4 else x
 
 
-class _InfGradient(torch.autograd.Function):
+class _Overflow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, threshold: float) -> Tensor:  # type: ignore[override]
-        ctx.overflow = bool(x.abs().max() > threshold)
-        return x.clone()
+    def forward(ctx, x: Tensor, weight: Tensor, threshold: float, into: str) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.into = into if bool(x.abs().max() > threshold) else None
+        return x * weight
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return (grad * float("inf") if ctx.overflow else grad), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = grad * weight, (grad * x).sum(0)
+        if ctx.into == "input":
+            grad_x = grad_x * float("inf")
+        elif ctx.into == "weight":
+            grad_weight = grad_weight * float("inf")
+        return grad_x, grad_weight, None, None
 
 
-class OverflowBelow(nn.Module):
-    """Identity; in backward, an inf gradient for the layers before it when its input exceeds
-    ``threshold`` somewhere: an overflow in the gradients of the earlier stages only."""
+class Overflow(nn.Module):
+    """``x * weight`` (the weight starts at ones); in backward, when the input exceeded ``threshold``
+    somewhere, an inf gradient for the layers before it (``into='input'``: earlier stages overflow) or
+    for its own weight (``into='weight'``: this stage overflows, the earlier ones do not)."""
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, width: int, threshold: float, into: str) -> None:
         super().__init__()
-        self.threshold = threshold
+        self.weight = nn.Parameter(torch.ones(width))
+        self.threshold, self.into = threshold, into
 
     def forward(self, x: Tensor) -> Tensor:
-        return _InfGradient.apply(x, self.threshold)
+        return _Overflow.apply(x, self.weight, self.threshold, self.into)
 
 
 def twin(model: nn.Module) -> nn.Module:

@@ -228,6 +228,16 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
         torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
         for p, q in zip(pipe.parameters(), ref.parameters()):
             torch.testing.assert_close(grads[p], q.grad)
+        from rrefpipe import GradScaler                         # loss scaling in the context, too
+        scaler = GradScaler(pipe, init_scale=8.0)
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, scaler.scale(pipe(x).local_value().sum()))
+            scaler.unscale_(ctx)
+            grads = dist_autograd.get_gradients(ctx)
+        ref.zero_grad()
+        ref(x).sum().backward()
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(grads[p], q.grad)
         rpc.shutdown()
     """)
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
-from tests.layers import OverflowBelow
+from tests.layers import Overflow
 
 
 def blobs(steps: int, batch: int, seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
@@ -68,11 +68,12 @@ def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batche
 Batches = list[tuple[Tensor, Tensor]]
 
 
-def model_overflowing_on_stage_0() -> nn.Sequential:
-    """Balanced [1, 5]: a batch of large inputs gives stage 0 inf gradients, stage 1 finite ones."""
+def model_that_overflows(stage: int) -> nn.Sequential:
+    """For balance [1, 5]: a batch of large inputs gives ``stage`` (0 or 1) inf gradients, the other
+    stage finite ones."""
     torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(10, 16), OverflowBelow(threshold=50.0), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(10, 16), Overflow(16, threshold=50.0, into="input" if stage == 0 else "weight"),
+                         nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
 def batches_with_overflows(steps: int, bad: Iterable[int]) -> Batches:

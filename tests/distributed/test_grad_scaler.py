@@ -10,7 +10,7 @@ from torch.distributed.optim import DistributedOptimizer
 import rrefpipe.optim
 from rrefpipe import GradScaler, Pipe, StageError
 from tests.layers import twin
-from tests.training import Batches, batches_with_overflows, model_overflowing_on_stage_0
+from tests.training import Batches, batches_with_overflows, model_that_overflows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,11 +46,11 @@ def pipe_scaled_steps(pipe: Pipe, opt: DistributedOptimizer, scaler: GradScaler,
     return scales
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_steps_and_scales_follow_torchs_grad_scaler(cluster, clip):
-    """Two batches overflow, on stage 0 only: every stage skips those steps, the scale halves, and
+@pytest.mark.parametrize(("clip", "stage"), [(None, 0), (0.5, 0), (None, 1)])
+def test_steps_and_scales_follow_torchs_grad_scaler(cluster, clip, stage):
+    """Two batches overflow, on one stage only: every stage skips those steps, the scale halves, and
     grows again after two good steps, as torch's GradScaler does with one optimizer over the model."""
-    model = model_overflowing_on_stage_0()
+    model = model_that_overflows(stage)
     reference = twin(model)
     batches = batches_with_overflows(8, bad=[2, 5])
     args = {"init_scale": 2.0**10, "growth_interval": 2}
@@ -65,8 +65,9 @@ def test_steps_and_scales_follow_torchs_grad_scaler(cluster, clip):
         torch.testing.assert_close(trained[key], value, msg=lambda m: f"{key}: {m}")
 
 
-def test_a_step_with_an_overflow_leaves_every_stage_alone(cluster):
-    model = model_overflowing_on_stage_0()
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_step_with_an_overflow_leaves_every_stage_alone(cluster, stage):
+    model = model_that_overflows(stage)
     (x, y), = batches_with_overflows(1, bad=[0])
     with Pipe(model, chunks=2, balance=[1, 5], workers=cluster.names[:2]) as pipe:
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)  # TorchScript's SGD also works
@@ -89,23 +90,34 @@ def test_a_step_with_an_overflow_leaves_every_stage_alone(cluster):
 
 
 def test_state_dict_is_torchs(cluster):
+    """Loaded from torch's, a growth tracker one step short of the interval grows the scale at the
+    next good step; saved, torch's loads it."""
     torch_scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_factor=4.0, backoff_factor=0.25,
                                         growth_interval=7)
-    with Pipe(model_overflowing_on_stage_0(), balance=[1, 5], workers=cluster.names[:2]) as pipe:
+    state = {**torch_scaler.state_dict(), "_growth_tracker": 6}
+    (x, y), = batches_with_overflows(1, bad=[])
+    with Pipe(model_that_overflows(0), balance=[1, 5], workers=cluster.names[:2]) as pipe:
         scaler = GradScaler(pipe)
-        scaler.load_state_dict(torch_scaler.state_dict())
-        assert scaler.state_dict() == torch_scaler.state_dict()
-        assert scaler.get_scale() == 64.0
+        scaler.load_state_dict(state)
+        assert scaler.state_dict() == state
+        opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, scaler.scale(F.cross_entropy(pipe(x).local_value(), y)))
+            scaler.step(opt, ctx)
+        scaler.update()
+        assert scaler.state_dict() == {**state, "scale": 256.0, "_growth_tracker": 0}
         back = torch.amp.GradScaler("cpu")
         back.load_state_dict(scaler.state_dict())
-        assert back.state_dict() == torch_scaler.state_dict()
+        assert back.state_dict() == scaler.state_dict()
+        scaler.update(new_scale=3.0)  # set by hand, as torch's; the tracker stays
+        assert scaler.get_scale() == 3.0 and scaler.state_dict()["_growth_tracker"] == 0
         disabled = GradScaler(pipe, enabled=False)
         loss = torch.tensor(3.0)
         assert disabled.state_dict() == {} and disabled.scale(loss) is loss and disabled.get_scale() == 1.0
 
 
 def test_a_disabled_scaler_steps_as_plain_training(cluster):
-    model = model_overflowing_on_stage_0()
+    model = model_that_overflows(0)
     reference = twin(model)
     batches = batches_with_overflows(3, bad=[])
     plain_scaled_steps(reference, batches, None, enabled=False)
@@ -121,7 +133,7 @@ def test_misuse_is_refused(cluster):
     (x, y), = batches_with_overflows(1, bad=[])
     with pytest.raises(TypeError, match="rrefpipe.Pipe"):
         GradScaler(nn.Linear(2, 2))  # type: ignore[arg-type]
-    with Pipe(model_overflowing_on_stage_0(), balance=[1, 5], workers=cluster.names[:2]) as pipe:
+    with Pipe(model_that_overflows(0), balance=[1, 5], workers=cluster.names[:2]) as pipe:
         for bad in ({"init_scale": 0.0}, {"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"growth_interval": 0}):
             with pytest.raises(ValueError):
                 GradScaler(pipe, **bad)
@@ -142,6 +154,8 @@ def test_misuse_is_refused(cluster):
             scaler.step(opt, ctx)
             with pytest.raises(RuntimeError, match="already been called"):
                 scaler.step(opt, ctx)
+            with pytest.raises(RuntimeError, match="after step"):
+                scaler.unscale_(ctx)
         scaler.update()
         with pytest.raises(RuntimeError, match="no dist_autograd context"):
             scaler.unscale_(ctx)

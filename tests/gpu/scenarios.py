@@ -17,7 +17,7 @@ from rrefpipe import GradScaler, Pipe, memory
 from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
 from tests.distributed import probes
 from tests.layers import mlp, skip_model
-from tests.training import (batches_with_overflows, blobs, model_overflowing_on_stage_0, pipe_steps, plain_steps,
+from tests.training import (batches_with_overflows, blobs, model_that_overflows, pipe_steps, plain_steps,
                             train_side_by_side)
 
 #: The device of the GPU stages. Setting it to "cpu" dry-runs the scenarios on a machine without one.
@@ -159,10 +159,10 @@ def autocast_and_clipping() -> None:
 
 def float16_loss_scaling() -> None:
     """float16 autocast on GPU stages with rrefpipe.GradScaler: the scale of torch.amp.GradScaler on
-    the plain model on the GPU after every step, and its weights, over steps where stage 0's gradients
-    overflow (skipped on every stage)."""
+    the plain model on the GPU after every step, and its weights, over steps where the last stage's
+    gradients overflow (skipped on every stage)."""
     kind = torch.device(GPU).type
-    model = model_overflowing_on_stage_0()
+    model = model_that_overflows(stage=1)
     reference = copy.deepcopy(model).to(GPU)
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     plain_scaler = torch.amp.GradScaler(kind, init_scale=2.0**10, growth_interval=2)
