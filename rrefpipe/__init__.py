@@ -6,6 +6,6 @@ from .pipe import Pipe
 from .stage import StageInfo
 from .trace import Event, format_events
 
-__all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events", "is_checkpointing",
-           "is_recomputing"]
+__all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
+           "is_checkpointing", "is_recomputing"]
 __version__ = "0.1.0"

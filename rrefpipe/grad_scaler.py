@@ -86,10 +86,11 @@ class GradScaler:
         self._enabled = enabled
         self._scale = torch.full((1,), float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
-        self._growth_factor, self._backoff_factor, self._growth_interval = growth_factor, backoff_factor, growth_interval
+        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
+        self._growth_interval = growth_interval
         self._found_inf: dict[int, bool] = {}  # the contexts unscaled since the last update()
         self._stepped: set[int] = set()  # id() of the optimizers stepped since then
-        self._stepped_contexts: set[int] = set()
+        self._stepped_contexts: set[int] = set()  # unscale_() after step() is refused, as in torch
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -120,8 +121,9 @@ class GradScaler:
             raise RuntimeError(f"no dist_autograd context {context_id!r} in this process: unscale inside the "
                                "`with dist_autograd.context() as context_id:` block, after backward")
         inv_scale = float(self._scale.double().reciprocal().float())  # rounded as torch rounds it
-        self._found_inf[context_id] = True  # until every stage has answered: if one fails, the stages
-        # before it are unscaled and the rest not, and step() must not step such gradients
+        # Counted as overflowed until every stage has answered: a stage failing part-way leaves the
+        # gradients half unscaled, and step() must not step them.
+        self._found_inf[context_id] = True
         self._found_inf[context_id] = any(self._pipe._driver.unscale_gradients(context_id, inv_scale))
 
     def step(self, optimizer: DistributedOptimizer, context_id: int) -> None:
