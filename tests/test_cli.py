@@ -69,3 +69,13 @@ def test_timeline_command_writes_json_and_png_and_redraws(tmp_path):
                            "--out", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("python -m rrefpipe timeline: drawing the timeline needs matplotlib")
+
+
+@pytest.mark.timeout(120)
+def test_demo_trains_in_float16_with_loss_scaling_like_plain_pytorch():
+    out = cli("demo", "--amp", "float16", "--stages", "2", "--steps", "20").stdout
+    assert "loss scale at the end: " in out
+    final = {m["who"]: float(m["loss"])
+             for m in re.finditer(r"(?P<who>pipeline|plain PyTorch).*?final loss (?P<loss>[\d.]+)", out)}
+    assert set(final) == {"pipeline", "plain PyTorch"}, out
+    assert final["pipeline"] == pytest.approx(final["plain PyTorch"], abs=1e-3), out
