@@ -46,7 +46,7 @@ def autocast(amp: str) -> contextlib.AbstractContextManager[object]:
     return torch.autocast("cpu", dtype=DTYPES[amp]) if amp in DTYPES else contextlib.nullcontext()
 
 
-def train_pipe(pipe: Pipe, batches: Batches, lr: float, log_every: int, amp: str) -> tuple[float, float]:
+def train_pipe(pipe: Pipe, batches: Batches, lr: float, log_every: int, amp: str = "none") -> tuple[float, float]:
     """SGD with momentum through the pipe (the classic dist-autograd loop); returns (last loss, seconds).
     float16 scales the loss, as it underflows small gradients otherwise."""
     opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=lr, momentum=0.9)
@@ -69,7 +69,7 @@ def train_pipe(pipe: Pipe, batches: Batches, lr: float, log_every: int, amp: str
     return loss.item(), time.perf_counter() - start
 
 
-def train_plain(model: nn.Module, batches: Batches, lr: float, amp: str) -> float:
+def train_plain(model: nn.Module, batches: Batches, lr: float, amp: str = "none") -> float:
     """The same training in plain PyTorch, for comparison; returns the last loss."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == "float16")
