@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -35,6 +35,8 @@ from .trace import Event
 from .transfer import StageStream, to_device, to_host
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 Status = Failure | None  # what a receive future resolves to: None when the micro-batch made it through
 Arrival = tuple[int, TensorOrTensors, Tensor | None, frozenset[SkipKey]]  # (i, value, phony, skips sent as None)
@@ -502,23 +504,23 @@ def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -
         return clip.gradient_norm(clip.context_gradients(server.stage.module, context_id), norm_type)
 
 
-def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) -> None:
-    """Scale this stage's gradients in the context in place, done before the reply: the optimizer's
+def _rewrite_gradients(pipe_id: str, index: int, context_id: int, rewrite: Callable[[list[Tensor]], T]) -> T:
+    """``rewrite`` this stage's gradients in the context in place, done before the reply: the optimizer's
     step runs on another stream and is ordered only after backward's writes, not after these."""
     server = _server(pipe_id, index)
     with server.stream.running():
-        clip.scale(clip.context_gradients(server.stage.module, context_id), factor)
+        result = rewrite(clip.context_gradients(server.stage.module, context_id))
     server.stream.settle()
+    return result
+
+
+def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) -> None:
+    _rewrite_gradients(pipe_id, index, context_id, lambda grads: clip.scale(grads, factor))
 
 
 def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: float) -> bool:
-    """Unscale this stage's gradients in the context in place (before the reply, as scaling); whether
-    any held an inf or a nan."""
-    server = _server(pipe_id, index)
-    with server.stream.running():
-        found = grad_scaler.unscale(clip.context_gradients(server.stage.module, context_id), inv_scale)
-    server.stream.settle()
-    return found
+    """Whether any of this stage's gradients held an inf or a nan (they are unscaled all the same)."""
+    return _rewrite_gradients(pipe_id, index, context_id, lambda grads: grad_scaler.unscale(grads, inv_scale))
 
 
 def set_training(pipe_id: str, index: int, mode: bool) -> None:
