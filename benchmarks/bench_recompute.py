@@ -6,7 +6,8 @@ suite's models (``suite_models``, 2 stages) at the micro-batch sizes of the suit
 
 * ``plain``: forward + backward of the stage (random output gradient);
 * ``checkpointed``: the same through :func:`rrefpipe.checkpoint.run_checkpointed`, the function a
-  stage worker uses for ``checkpoint='always'`` (non-reentrant ``torch.utils.checkpoint``);
+  stage worker uses for ``checkpoint='always'`` (saved-tensor hooks, recomputed in backward here:
+  nothing runs ahead of it in one process);
 * ``no-grad forward``: the stage's forward under ``torch.no_grad()``.
 
 ``checkpointed / plain`` is what recomputation costs a stage when nothing overlaps it: the issue's

@@ -120,9 +120,10 @@ class StageServer:
         module = spec.module if spec.module is not None else _built(spec)
         self.pipe_id = pipe_id
         self.spec = spec
-        self.stage = Stage(spec.index, module, torch.device(spec.device), rpc.get_worker_info().name)
-        self.stream = StageStream(self.stage.device)
         self.is_last = spec.index == spec.num_stages - 1
+        self.stage = Stage(spec.index, module, torch.device(spec.device), rpc.get_worker_info().name,
+                           recompute_ahead=not self.is_last)  # the last stage's backward starts at once
+        self.stream = StageStream(self.stage.device)
         self.workers: list[str] = []
         self.traffic: dict[str, list[int]] = {"activation": [0, 0], "skip": [0, 0]}  # kind -> [tensors, bytes]
         self._lock = threading.Lock()

@@ -4,19 +4,21 @@ Transport-free, so the same code runs on an RPC stage worker and in the driver's
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import _StopRecomputationError
 
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .checkpoint import is_recomputing, overwrites_input, run_checkpointed
+from .checkpoint import Recomputable, is_recomputing, overwrites_input
 from .errors import Failure
 from .dependency import fence, fork, hop, join, mark, new_phony
 from .microbatch import TensorOrTensors
@@ -84,7 +86,8 @@ class StageOutput:
 class Stage:
     """A partition of the model on one device, with its skip routes and execution record."""
 
-    def __init__(self, index: int, module: nn.Sequential, device: torch.device, worker: str) -> None:
+    def __init__(self, index: int, module: nn.Sequential, device: torch.device, worker: str,
+                 recompute_ahead: bool = False) -> None:
         self.index = index
         self.device = device
         self.worker = worker
@@ -97,6 +100,10 @@ class Stage:
         self._copy_input = overwrites_input(self.module)  # checkpointing recomputes from the input
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
+        # Forwards and recomputations take turns: both draw from the process's random generator,
+        # which a recomputation rewinds to its first run's state and then restores.
+        self._rng_turns = threading.RLock()
+        self._ahead = _RecomputeAhead() if recompute_ahead else None
 
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
@@ -119,6 +126,8 @@ class Stage:
             for bn in self._deferred:
                 bn.start_minibatch(meta.chunks)
             self._backward_starts.clear()  # starts of a step whose backward never ran (eval in a context)
+            if self._ahead is not None:
+                self._ahead.forget()
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
@@ -129,7 +138,8 @@ class Stage:
             elif meta.grad_enabled:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
             fn, outgoing = self._runner(meta.step, i, received)
-            out = run_checkpointed(fn, value, self._copy_input) if checkpointed else fn(value)
+            with self._rng_turns:
+                out = self._checkpointed(meta, i, fn, value) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
                 out = tuple(out)
@@ -151,6 +161,16 @@ class Stage:
                         result.skip_phonies[key] = new_phony()
                 result.skips[key] = tensor
         return result
+
+    def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
+                      value: TensorOrTensors) -> TensorOrTensors:
+        recomputable = Recomputable(fn, self._copy_input, self._rng_turns)
+        out = recomputable.run(value)
+        if self._ahead is not None:
+            self._ahead.keep(meta.step, i, recomputable)
+            if i == meta.chunks - 1:  # the step's last forward here: idle until its gradient comes back
+                self._ahead.request(meta.step, i)
+        return out
 
     def _to_device(self, t: Tensor) -> Tensor:
         return to_device(t, self.device)
@@ -174,8 +194,6 @@ class Stage:
                 if not again:
                     outgoing.update(router.outgoing)
                 return out
-            except _StopRecomputationError:
-                raise  # checkpoint's own signal that recomputation went far enough
             except Exception as exc:
                 if not again:
                     raise
@@ -205,5 +223,48 @@ class Stage:
                 pending[(step, i)] = now
             else:
                 self.recorder.add("backward", step, i, pending.pop((step, i), now), now)
+                if self._ahead is not None and i > 0:  # the previous micro-batch's gradient comes next
+                    self._ahead.request(step, i - 1)
 
         return callback
+
+
+class _RecomputeAhead:
+    """Recomputes a stage's checkpointed micro-batches ahead of backward, while the stage waits for
+    their gradients, so that backward finds the activations ready.
+
+    A stage before the last one is idle between sending an input gradient and receiving the next output
+    gradient, and at the start of backward for as long as the later stages take on the step's last
+    micro-batch: its recomputation can run then without delaying anything. It runs on a thread of the
+    process (the RPC thread stays free, autograd's thread is busy with the previous micro-batch), one
+    micro-batch ahead at most, so checkpointing keeps its memory bound."""
+
+    _requests: queue.SimpleQueue[Recomputable] = queue.SimpleQueue()
+    _started = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[int, int], weakref.ref[Recomputable]] = {}  # the graph owns each run
+        with self._started:
+            if _RecomputeAhead._thread is None:  # one for the process: a daemon, so exit never waits on it
+                _RecomputeAhead._thread = threading.Thread(target=self._serve, name="rrefpipe-recompute", daemon=True)
+                _RecomputeAhead._thread.start()
+
+    def keep(self, step: int, i: int, run: Recomputable) -> None:
+        self._runs[(step, i)] = weakref.ref(run)
+
+    def forget(self) -> None:
+        self._runs.clear()
+
+    def request(self, step: int, i: int) -> None:
+        ref = self._runs.pop((step, i), None)
+        run = ref() if ref is not None else None
+        if run is not None:
+            self._requests.put(run)
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            run = cls._requests.get()
+            run.recompute()
+            del run  # the graph decides how long a run lives

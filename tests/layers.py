@@ -366,3 +366,56 @@ class InterruptDriver(nn.Module):
             self.fired = True
             os.kill(os.getppid(), signal.SIGINT)
         return x * 1
+
+
+# -- recomputation ahead of backward ------------------------------------------------------------------
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+class SignalsRecompute(nn.Module):
+    """Leaves a file in ``folder`` each time checkpointing recomputes it: another process can tell."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+        self.count = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_recomputing():
+            self.count += 1
+            (Path(self.folder) / f"recomputed-{os.getpid()}-{self.count}").touch()
+        return torch.tanh(x)  # saves its output, so backward needs the recomputation
+
+
+class _AwaitRecomputes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer):  # type: ignore[no-untyped-def]
+        ctx.layer = layer
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        layer = ctx.layer
+        layer.calls += 1
+        wanted = layer.calls - layer.offset
+        deadline = time.monotonic() + layer.timeout
+        while len(list(Path(layer.folder).iterdir())) < wanted:  # waits on a condition, with a deadline
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"backward call {layer.calls} waited {layer.timeout} s for {wanted} "
+                                   f"recomputations on an earlier stage; {len(list(Path(layer.folder).iterdir()))} came")
+            time.sleep(0.005)
+        return grad, None
+
+
+class AwaitsRecomputes(nn.Module):
+    """In its k-th backward (k = 1, 2, ...), before the gradient goes on to earlier stages, waits until
+    ``k - offset`` recomputations have left a file in ``folder`` (see :class:`SignalsRecompute`)."""
+
+    def __init__(self, folder: str, offset: int = 0, timeout: float = 20.0) -> None:
+        super().__init__()
+        self.folder, self.offset, self.timeout = folder, offset, timeout
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _AwaitRecomputes.apply(x, self)

@@ -1,11 +1,14 @@
-"""Activation checkpointing of a stage (in one process): recomputation and failures."""
+"""Activation checkpointing of a stage (in one process): recomputation, ahead of backward or in it, and failures."""
+import gc
+import threading
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
-import rrefpipe.checkpoint
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
-from rrefpipe.checkpoint import overwrites_input, run_checkpointed
+from rrefpipe.checkpoint import Recomputable, overwrites_input, run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():
@@ -42,31 +45,6 @@ def test_a_failed_forward_leaves_later_graphs_of_the_thread_alone():
     z = torch.ones(2, requires_grad=True)
     run_checkpointed(torch.exp, z).sum().backward()  # and checkpointing itself still works
     torch.testing.assert_close(z.grad, torch.exp(z.detach()))
-
-
-def test_a_failed_forward_does_not_raise_through_checkpoint(monkeypatch):
-    """The mechanism behind the test above, on any torch: checkpoint itself never sees the exception
-    (torch 2.11 left its forward context open when one passed through it)."""
-    passed_through = []
-    real = rrefpipe.checkpoint.checkpoint
-
-    def watching(function, *args, **kwargs):
-        def watched(*a):
-            try:
-                return function(*a)
-            except BaseException as exc:
-                passed_through.append(exc)
-                raise
-        return real(watched, *args, **kwargs)
-
-    monkeypatch.setattr(rrefpipe.checkpoint, "checkpoint", watching)
-
-    def boom(x):
-        raise KeyboardInterrupt  # not only Exception: whatever the forward raises
-
-    with pytest.raises(KeyboardInterrupt):
-        run_checkpointed(boom, torch.ones(3, requires_grad=True))
-    assert passed_through == []
 
 
 def test_a_failed_recomputation_raises_in_backward():
@@ -127,3 +105,132 @@ def test_an_input_modified_in_place_is_refused_in_forward():
         run_checkpointed(double, x)
     y = torch.randn(3, requires_grad=True) * 1
     run_checkpointed(torch.exp, y).sum().backward()  # the thread's checkpointing still works
+
+
+def _counted(fn):
+    calls = []
+
+    def run(x):
+        calls.append(is_recomputing())
+        return fn(x)
+
+    return run, calls
+
+
+def test_recomputed_ahead_then_used_by_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    fn, calls = _counted(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    run = Recomputable(fn)
+    out = run.run(x)
+    run.recompute()
+    run.recompute()  # once is enough
+    assert calls == [False, True]
+    out.square().sum().backward()
+    assert calls == [False, True]  # backward found the activations ready
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    y = x.detach().clone().requires_grad_()
+    model(y).square().sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad)
+
+
+def test_recomputing_ahead_while_backward_needs_it_runs_the_forward_once():
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    for _ in range(20):
+        fn, calls = _counted(model)
+        x = torch.randn(32, 64, requires_grad=True)
+        run = Recomputable(fn)
+        out = run.run(x)
+        ahead = threading.Thread(target=run.recompute)
+        ahead.start()
+        out.sum().backward()
+        ahead.join()
+        assert calls == [False, True]
+
+
+def test_recomputation_ahead_replays_the_random_draws_and_leaves_the_generator_alone():
+    """Dropout draws the same mask again, on whichever thread recomputes, and the caller's generator
+    goes on as if nothing had been recomputed."""
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+    x = torch.randn(8, 6)
+    run = Recomputable(model)
+    torch.manual_seed(3)
+    out = run.run(x)
+    after = torch.rand(5)
+    thread = threading.Thread(target=run.recompute)
+    thread.start()
+    thread.join()
+    later = torch.rand(5)
+    torch.manual_seed(3)
+    model(x)
+    torch.testing.assert_close(torch.rand(5), after)  # the caller's draws go on as without checkpointing
+    torch.testing.assert_close(torch.rand(5), later)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(3)
+    ref = model(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad)
+
+
+def test_a_failed_recomputation_ahead_raises_in_backward():
+    calls = []
+
+    def flaky(x):
+        calls.append(is_recomputing())
+        if is_recomputing():
+            raise RuntimeError("changed its mind")
+        return x.exp()
+
+    x = torch.ones(2, requires_grad=True)
+    run = Recomputable(flaky)
+    out = run.run(x)
+    run.recompute()  # keeps the error for backward, on backward's thread
+    with pytest.raises(RuntimeError, match="changed its mind"):
+        out.sum().backward()
+    assert calls == [False, True]  # not tried again
+
+
+def test_a_recomputation_that_saves_other_tensors_is_refused():
+    def changing(x):
+        return x.exp().exp() if is_recomputing() else x.exp()
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="recomputed forward saved 2 tensors .* first saved 1"):
+        run_checkpointed(changing, x).sum().backward()
+
+
+def test_the_recomputed_activations_go_with_the_graph():
+    """Reference counting alone frees them: an output saved by its own node (exp) must not hold the
+    graph it belongs to, a cycle that only the process's end would break."""
+    recomputed = []
+
+    def fn(x):
+        mid = x.exp()  # saves its output
+        if is_recomputing():
+            recomputed.append(weakref.ref(mid))
+        return mid.sin()
+
+    gc.disable()
+    try:
+        x = torch.randn(100, requires_grad=True)
+        run = Recomputable(fn)
+        kept = weakref.ref(run)
+        out = run.run(x)
+        del run
+        run_ahead = kept()
+        run_ahead.recompute()
+        del run_ahead
+        out.sum().backward()
+        del out
+        assert recomputed and all(r() is None for r in recomputed)
+        assert kept() is None
+    finally:
+        gc.enable()

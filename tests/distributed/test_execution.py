@@ -5,7 +5,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe
-from tests.layers import mlp, twin
+from tests.distributed.probes import stage_gradients
+from tests.layers import AwaitsRecomputes, SignalsRecompute, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,3 +165,27 @@ def test_stages_built_on_workers_from_factories(cluster):
         x = torch.randn(4, 5)
         with torch.no_grad():
             torch.testing.assert_close(pipe(x).local_value(), plain(x))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_earlier_stages_recompute_ahead_of_their_gradients(cluster, tmp_path, checkpoint):
+    """Stage 0 recomputes micro-batch i while stage 1 still runs i's backward: stage 1 holds i's
+    gradient until stage 0 has recomputed i (so a recomputation left for backward would wait forever,
+    and the test would fail on the layer's deadline), and the gradients are still those of the model."""
+    torch.manual_seed(0)
+    folder = str(tmp_path)
+    offset = 1 if checkpoint == "except_last" else 0  # stage 0 does not recompute the last micro-batch
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Identity())
+    model = nn.Sequential(plain[0], SignalsRecompute(folder), plain[2], AwaitsRecomputes(folder, offset))
+    x = torch.randn(16, 4)
+    with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[2, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, pipe(x).local_value().square().sum())
+            grads = stage_gradients(pipe, ctx)
+        events = pipe.execution_record()
+    recomputes = sorted(e.microbatch for e in events if e.stage == 0 and e.kind == "recompute")
+    assert recomputes == list(range(4 - offset))  # once each
+    plain(x).square().sum().backward()
+    assert grads.keys() == {name for name, _ in plain.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
