@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -23,10 +23,16 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import autocast, microbatch
 
-__all__ = ["Recomputable", "run_checkpointed", "overwrites_input", "is_checkpointing", "is_recomputing",
-           "recomputing", "warm_up"]
+__all__ = ["Recomputable", "random_turns", "run_checkpointed", "overwrites_input", "is_checkpointing",
+           "is_recomputing", "recomputing", "warm_up"]
 
 _state = threading.local()
+
+#: Held around anything in the process that draws from, or resets, torch's random generators: a
+#: forward, a recomputation (which rewinds them to its first run's state, then restores them), seeding.
+#: The generators belong to the process, so this lock does too: stages of several pipes may share a
+#: worker, and a recomputation ahead runs on a thread of its own.
+random_turns = threading.RLock()
 
 
 def is_recomputing() -> bool:
@@ -71,11 +77,15 @@ def _versions(value: Any) -> list[int]:
 class _Slot:
     """Stands in the graph for one saved activation; holds it between a recomputation and its use."""
 
-    __slots__ = ("shape", "tensor")
+    __slots__ = ("shape", "dtype", "device", "tensor")
 
-    def __init__(self, shape: torch.Size) -> None:
-        self.shape = shape
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.tensor: Tensor | None = None
+
+    def matches(self) -> bool:
+        t = self.tensor
+        return t is not None and t.shape == self.shape and t.dtype == self.dtype and t.device == self.device
 
 
 class Recomputable:
@@ -88,15 +98,14 @@ class Recomputable:
     graph. (A cycle through autograd's C++ nodes is invisible to the garbage collector: every step's
     activations stayed, 100 MB a step on a ResNet stage, and backward ran twice as slow from fresh pages.)"""
 
-    def __init__(self, fn: Callable[[Any], Any], copy_input: bool = False,
-                 guard: AbstractContextManager[Any] | None = None) -> None:
+    def __init__(self, fn: Callable[[Any], Any], copy_input: bool = False) -> None:
         self._fn = fn
         self._copy_input = copy_input
-        self._guard = guard  # held by the caller around anything else that draws random numbers
         self._slots: list[_Slot] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._recomputed = False
+        self._first_run = False
 
     def run(self, value: Any) -> Any:
         """The first run of ``fn(value)``: its output, with placeholders for what backward needs. Keeps
@@ -105,21 +114,25 @@ class Recomputable:
         self._cpu_rng = torch.get_rng_state()
         self._devices, self._device_rng = get_device_states(*microbatch.as_tensors(value))
         self._stream = _current_stream(value)
-        self._input = microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)
+        self._input = value  # these tensors: memory tracking counts an input as kept while they live
 
         def pack(t: Tensor) -> _Slot:
-            slot = _Slot(t.shape)
+            slot = _Slot(t.shape, t.dtype, t.device)
             self._slots.append(slot)
             return slot
 
-        with saved_tensors_hooks(pack, self._unpack), _flag("checkpointing", True):
-            before = _versions(value)
-            out = self._fn(microbatch.apply(Tensor.clone, value) if self._copy_input else value)
-            if _versions(value) != before:
-                raise RuntimeError(
-                    "a layer modified the stage's input in place (e.g. an in-place activation or `x.add_()` "
-                    "in its first layer's forward), but checkpointing keeps that input to recompute from "
-                    "in backward: use the layer's out-of-place form, or checkpoint='never'")
+        self._first_run = True
+        try:
+            with saved_tensors_hooks(pack, self._unpack), _flag("checkpointing", True):
+                before = _versions(value)
+                out = self._fn(microbatch.apply(Tensor.clone, value) if self._copy_input else value)
+                if _versions(value) != before:
+                    raise RuntimeError(
+                        "a layer modified the stage's input in place (e.g. an in-place activation or `x.add_()` "
+                        "in its first layer's forward), but checkpointing keeps that input to recompute from "
+                        "in backward: use the layer's out-of-place form, or checkpoint='never'")
+        finally:
+            self._first_run = False
         return out
 
     def recompute(self) -> None:
@@ -129,10 +142,23 @@ class Recomputable:
             if self._slots and not self._recomputed and self._error is None:
                 try:
                     self._fill()
-                except Exception as exc:  # backward raises it, on its own thread
+                except BaseException as exc:  # backward raises it, on its own thread (SystemExit too)
                     self._error = exc
 
+    def release(self) -> None:
+        """Drop activations recomputed ahead that backward has not used yet (they come back if it needs
+        them): one run's, as checkpointing promises, when another forward follows before backward."""
+        with self._lock:
+            if self._recomputed and all(s.tensor is not None for s in self._slots):
+                for s in self._slots:
+                    s.tensor = None
+                self._recomputed = False
+
     def _unpack(self, slot: _Slot) -> Tensor:
+        if self._first_run:
+            raise RuntimeError("checkpointing: a layer of this stage computed gradients inside its own forward "
+                               "(torch.autograd.grad, or backward), which rrefpipe's checkpointing does not "
+                               "support: use checkpoint='never' for this model")
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -157,19 +183,19 @@ class Recomputable:
             # would hold that node, a cycle autograd cannot see, and leak the whole graph.
 
         with self._replayed(), saved_tensors_hooks(pack, _never_unpacked), torch.enable_grad(), recomputing(True):
-            self._fn(microbatch.apply(Tensor.clone, self._input) if self._copy_input else self._input)
-        shapes = [s.shape for s in self._slots]
-        if count != len(shapes) or any(s.tensor is None or s.tensor.shape != s.shape for s in self._slots):
+            value = microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), self._input)
+            self._fn(microbatch.apply(Tensor.clone, value) if self._copy_input else value)
+        if count != len(self._slots) or not all(s.matches() for s in self._slots):
             for s in self._slots:
                 s.tensor = None
             raise RuntimeError(f"checkpointing: the recomputed forward saved {count} tensors for backward where "
-                               f"the first saved {len(shapes)}, or of other shapes: the stage's forward must "
-                               "do the same work when run again")
+                               f"the first saved {len(self._slots)}, or of other shapes, dtypes or devices: the "
+                               "stage's forward must do the same work when run again")
 
     @contextmanager
     def _replayed(self) -> Iterator[None]:
         """The random, autocast and stream state of the first run, without disturbing the caller's."""
-        with self._guard or nullcontext(), torch.random.fork_rng(self._devices):
+        with random_turns, torch.random.fork_rng(self._devices):
             torch.set_rng_state(self._cpu_rng)
             set_device_states(self._devices, self._device_rng)
             with autocast.entered(self._autocast), torch.cuda.stream(self._stream) if self._stream else nullcontext():

@@ -12,7 +12,8 @@ Tracking is process-wide and runs *on the worker*: the driver asks each stage wo
 "Kept for backward" counts, while they are alive, the tensors autograd saves during the forward of a stage
 (every storage once, parameters and buffers left out), and the inputs that checkpointing keeps in place
 of the activations of a checkpointed micro-batch. The activations a checkpointed micro-batch recomputes
-live only around its backward (from just before it, on a stage that recomputes ahead) and are not counted.
+live only around its backward (on a stage that recomputes ahead, from when the stage starts waiting for
+that gradient: one micro-batch at a time) and are not counted.
 """
 from __future__ import annotations
 

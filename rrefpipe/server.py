@@ -25,7 +25,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.futures import Future
 
-from . import clip, grad_scaler, microbatch
+from . import checkpoint, clip, grad_scaler, microbatch
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -116,8 +116,9 @@ class StageServer:
 
     def __init__(self, pipe_id: str, spec: StageSpec) -> None:
         _check_device(torch.device(spec.device))
-        torch.manual_seed(spec.seed)  # before the factory: its initial weights repeat too
-        module = spec.module if spec.module is not None else _built(spec)
+        with checkpoint.random_turns:  # another pipe's stage may be recomputing on this worker
+            torch.manual_seed(spec.seed)  # before the factory: its initial weights repeat too
+            module = spec.module if spec.module is not None else _built(spec)
         self.pipe_id = pipe_id
         self.spec = spec
         self.is_last = spec.index == spec.num_stages - 1
@@ -261,6 +262,8 @@ class StageServer:
             self._held.append(_Held(job, out, nones, sends))
             if len(self._held) >= job.meta.per_message or job.i == job.meta.chunks - 1:
                 self._push()
+            if job.i == job.meta.chunks - 1:  # idle here until that micro-batch's gradient comes back
+                self.stage.recompute_soon(job.meta.step, job.i)
             return  # the job completes when its message (and its skips) went through
         if job.meta.deliver_to is None:
             self._kept[job.i] = out.value

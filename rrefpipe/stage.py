@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .checkpoint import Recomputable, is_recomputing, overwrites_input
+from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
 from .errors import Failure
 from .dependency import fence, fork, hop, join, mark, new_phony
 from .microbatch import TensorOrTensors
@@ -100,10 +100,9 @@ class Stage:
         self._copy_input = overwrites_input(self.module)  # checkpointing recomputes from the input
         self._backward_starts: dict[tuple[int, int], float] = {}
         self.backward_failures: deque[Failure] = deque(maxlen=16)
-        # Forwards and recomputations take turns: both draw from the process's random generator,
-        # which a recomputation rewinds to its first run's state and then restores.
-        self._rng_turns = threading.RLock()
-        self._ahead = _RecomputeAhead() if recompute_ahead else None
+        # Not on a GPU yet: there a recomputation ahead would queue on the stage's stream while sends
+        # record their events on it, and the next stage could wait for it (never measured: no GPU).
+        self._ahead = _RecomputeAhead() if recompute_ahead and self.device.type == "cpu" else None
 
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
@@ -127,7 +126,7 @@ class Stage:
                 bn.start_minibatch(meta.chunks)
             self._backward_starts.clear()  # starts of a step whose backward never ran (eval in a context)
             if self._ahead is not None:
-                self._ahead.forget()
+                self._ahead.new_step()
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
         with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
@@ -138,7 +137,7 @@ class Stage:
             elif meta.grad_enabled:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
             fn, outgoing = self._runner(meta.step, i, received)
-            with self._rng_turns:
+            with random_turns:
                 out = self._checkpointed(meta, i, fn, value) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
@@ -160,17 +159,23 @@ class Stage:
                     else:
                         result.skip_phonies[key] = new_phony()
                 result.skips[key] = tensor
+            outgoing.clear()  # the forward (kept for recomputation) must not hold its own graph
         return result
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
                       value: TensorOrTensors) -> TensorOrTensors:
-        recomputable = Recomputable(fn, self._copy_input, self._rng_turns)
+        recomputable = Recomputable(fn, self._copy_input)
         out = recomputable.run(value)
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)
-            if i == meta.chunks - 1:  # the step's last forward here: idle until its gradient comes back
-                self._ahead.request(meta.step, i)
         return out
+
+    def recompute_soon(self, step: int, i: int) -> None:
+        """Recompute checkpointed micro-batch ``i`` ahead of its backward, if this stage does that: the
+        server calls it once the step's last output here has gone on (the stage then waits for its
+        gradient); the stage itself, for micro-batch i-1, when i's backward ends."""
+        if self._ahead is not None:
+            self._ahead.request(step, i)
 
     def _to_device(self, t: Tensor) -> Tensor:
         return to_device(t, self.device)
@@ -223,8 +228,8 @@ class Stage:
                 pending[(step, i)] = now
             else:
                 self.recorder.add("backward", step, i, pending.pop((step, i), now), now)
-                if self._ahead is not None and i > 0:  # the previous micro-batch's gradient comes next
-                    self._ahead.request(step, i - 1)
+                if i > 0:  # the previous micro-batch's gradient comes next
+                    self.recompute_soon(step, i - 1)
 
         return callback
 
@@ -235,16 +240,17 @@ class _RecomputeAhead:
 
     A stage before the last one is idle between sending an input gradient and receiving the next output
     gradient, and at the start of backward for as long as the later stages take on the step's last
-    micro-batch: its recomputation can run then without delaying anything. It runs on a thread of the
-    process (the RPC thread stays free, autograd's thread is busy with the previous micro-batch), one
-    micro-batch ahead at most, so checkpointing keeps its memory bound."""
+    micro-batch: its recomputation can run then instead of on the step's critical path. It runs on a
+    thread of the process (the RPC thread stays free, autograd's is busy with the previous micro-batch),
+    one micro-batch ahead at most, so checkpointing keeps its memory bound."""
 
-    _requests: queue.SimpleQueue[Recomputable] = queue.SimpleQueue()
+    _requests: queue.SimpleQueue[weakref.ref[Recomputable]] = queue.SimpleQueue()
     _started = threading.Lock()
     _thread: threading.Thread | None = None
 
     def __init__(self) -> None:
         self._runs: dict[tuple[int, int], weakref.ref[Recomputable]] = {}  # the graph owns each run
+        self._requested: list[weakref.ref[Recomputable]] = []
         with self._started:
             if _RecomputeAhead._thread is None:  # one for the process: a daemon, so exit never waits on it
                 _RecomputeAhead._thread = threading.Thread(target=self._serve, name="rrefpipe-recompute", daemon=True)
@@ -253,18 +259,26 @@ class _RecomputeAhead:
     def keep(self, step: int, i: int, run: Recomputable) -> None:
         self._runs[(step, i)] = weakref.ref(run)
 
-    def forget(self) -> None:
-        self._runs.clear()
+    def new_step(self) -> None:
+        """A forward starts: runs whose graph has gone are forgotten, and activations recomputed ahead
+        for a backward that has not come (several forwards before one backward) are dropped again."""
+        self._runs = {key: ref for key, ref in self._runs.items() if ref() is not None}
+        for ref in self._requested:
+            run = ref()
+            if run is not None:
+                run.release()
+        self._requested = []
 
     def request(self, step: int, i: int) -> None:
         ref = self._runs.pop((step, i), None)
-        run = ref() if ref is not None else None
-        if run is not None:
-            self._requests.put(run)
+        if ref is not None:
+            self._requested = [r for r in self._requested if r() is not None] + [ref]
+            self._requests.put(ref)
 
     @classmethod
     def _serve(cls) -> None:
         while True:
-            run = cls._requests.get()
-            run.recompute()
-            del run  # the graph decides how long a run lives
+            run = cls._requests.get()()  # None once its graph has gone
+            if run is not None:
+                run.recompute()  # keeps any failure for backward to raise
+            del run

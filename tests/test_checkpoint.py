@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
-from rrefpipe.checkpoint import Recomputable, overwrites_input, run_checkpointed
+from rrefpipe.checkpoint import Recomputable, overwrites_input, random_turns, run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():
@@ -45,22 +45,6 @@ def test_a_failed_forward_leaves_later_graphs_of_the_thread_alone():
     z = torch.ones(2, requires_grad=True)
     run_checkpointed(torch.exp, z).sum().backward()  # and checkpointing itself still works
     torch.testing.assert_close(z.grad, torch.exp(z.detach()))
-
-
-def test_a_failed_recomputation_raises_in_backward():
-    calls = []
-
-    def flaky(x):
-        calls.append(is_recomputing())
-        if is_recomputing():
-            raise RuntimeError("changed its mind")
-        return x * x  # saves x: backward must recompute
-
-    x = torch.ones(2, requires_grad=True)
-    out = run_checkpointed(flaky, x)
-    with pytest.raises(RuntimeError, match="changed its mind"):
-        out.sum().backward()
-    assert calls == [False, True]
 
 
 def test_overwrites_input_looks_through_nested_sequentials():
@@ -180,30 +164,33 @@ def test_recomputation_ahead_replays_the_random_draws_and_leaves_the_generator_a
         torch.testing.assert_close(got, p.grad)
 
 
-def test_a_failed_recomputation_ahead_raises_in_backward():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_failed_recomputation_raises_in_backward(ahead):
     calls = []
 
     def flaky(x):
         calls.append(is_recomputing())
         if is_recomputing():
             raise RuntimeError("changed its mind")
-        return x.exp()
+        return x * x  # saves x: backward must recompute
 
     x = torch.ones(2, requires_grad=True)
     run = Recomputable(flaky)
     out = run.run(x)
-    run.recompute()  # keeps the error for backward, on backward's thread
+    if ahead:
+        run.recompute()  # keeps the error for backward, on backward's thread
     with pytest.raises(RuntimeError, match="changed its mind"):
         out.sum().backward()
     assert calls == [False, True]  # not tried again
 
 
-def test_a_recomputation_that_saves_other_tensors_is_refused():
+@pytest.mark.parametrize("again", [lambda x: x.exp().exp(), lambda x: x.double().exp()])
+def test_a_recomputation_that_saves_other_tensors_is_refused(again):
     def changing(x):
-        return x.exp().exp() if is_recomputing() else x.exp()
+        return again(x) if is_recomputing() else x.exp()
 
     x = torch.ones(2, requires_grad=True)
-    with pytest.raises(RuntimeError, match="recomputed forward saved 2 tensors .* first saved 1"):
+    with pytest.raises(RuntimeError, match="recomputed forward saved .* first saved 1, or of other shapes, dtypes"):
         run_checkpointed(changing, x).sum().backward()
 
 
@@ -234,3 +221,46 @@ def test_the_recomputed_activations_go_with_the_graph():
         assert kept() is None
     finally:
         gc.enable()
+
+
+def test_a_recomputation_holds_the_process_lock_on_random_numbers():
+    """Forwards, seeding and every recomputation (of any pipe's stage, on any thread) take turns on it."""
+    held = []
+
+    def fn(x):
+        if is_recomputing():
+            held.append(random_turns._is_owned())
+        return x.exp()
+
+    x = torch.ones(2, requires_grad=True)
+    run = Recomputable(fn)
+    out = run.run(x)
+    thread = threading.Thread(target=run.recompute)
+    thread.start()
+    thread.join()
+    out.sum().backward()
+    assert held == [True]
+
+
+def test_released_activations_come_back_for_backward():
+    fn, calls = _counted(torch.exp)
+    x = torch.randn(3, requires_grad=True)
+    run = Recomputable(fn)
+    out = run.run(x)
+    run.recompute()
+    run.release()
+    assert all(slot.tensor is None for slot in run._slots)
+    out.sum().backward()
+    assert calls == [False, True, True]
+    torch.testing.assert_close(x.grad, x.detach().exp())
+
+
+def test_gradients_inside_a_checkpointed_forward_are_refused_clearly():
+    def penalised(x):
+        y = x.exp()
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y + g
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="computed gradients inside its own forward"):
+        run_checkpointed(penalised, x)

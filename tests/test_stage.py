@@ -1,3 +1,4 @@
+import gc
 import time
 
 import pytest
@@ -106,3 +107,49 @@ def test_the_execution_record_keeps_only_recent_events():
         recorder.add("forward", k, 0, 0.0, 1.0)
     events = recorder.snapshot()
     assert len(events) == CAPACITY and events[0].step == 100 and events[-1].step == CAPACITY + 99
+
+
+def _ahead_stage(module: nn.Sequential) -> Stage:
+    torch.manual_seed(0)
+    return Stage(0, module, torch.device("cpu"), "here", recompute_ahead=True)
+
+
+def test_a_recomputation_ahead_is_dropped_when_another_forward_comes_first():
+    """Several forwards before one backward: each keeps its inputs only, as checkpointing promises."""
+    stage = _ahead_stage(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, deliver_to=None, timeout=1.0)
+    x = torch.randn(3, 4, requires_grad=True)
+    first = stage.run(meta, 0, x).value
+    run = stage._ahead._runs[(0, 0)]()
+    stage.recompute_soon(0, 0)
+    run.recompute()  # returns once the activations are back, whichever thread brought them
+    assert all(slot.tensor is not None for slot in run._slots)
+    second = stage.run(StepMeta(**{**meta.__dict__, "step": 1}), 0, x).value
+    assert all(slot.tensor is None for slot in run._slots)
+    (first + second).sum().backward()  # the first comes back for backward
+    ref = x.detach().clone().requires_grad_()
+    (2 * stage.module(ref)).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_a_checkpointed_forward_with_a_stash_goes_with_its_graph():
+    """The stashed tensor the stage sends on belongs to the graph, which owns the recomputation: the
+    forward kept for recomputing must not hold it too, a cycle through autograd's C++ nodes that would
+    keep a step whose backward never comes (a failed step, say) for good."""
+    from rrefpipe.skip.layout import SkipRoutes
+    from rrefpipe.skip.namespace import DEFAULT
+    from tests.layers import StashInput
+
+    stage = _ahead_stage(nn.Sequential(nn.Linear(4, 4), StashInput(), nn.Tanh()))
+    key = (DEFAULT, "skip")
+    stage.routes = SkipRoutes({key: 1}, frozenset())
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, deliver_to=None, timeout=1.0)
+    gc.disable()
+    try:
+        result = stage.run(meta, 0, torch.randn(3, 4), [new_phony()])
+        kept = stage._ahead._runs[(0, 0)]
+        assert kept() is not None and result.skips[key].grad_fn is not None
+        del result
+        assert kept() is None
+    finally:
+        gc.enable()

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 
 from rrefpipe import Pipe
@@ -189,3 +190,25 @@ def test_earlier_stages_recompute_ahead_of_their_gradients(cluster, tmp_path, ch
     assert grads.keys() == {name for name, _ in plain.named_parameters()}
     for name, p in plain.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_always_keeps_every_micro_batchs_input_until_backward(cluster):
+    """What checkpointing keeps is what memory tracking counts: each stage's inputs, all micro-batches
+    of the step at once (a checkpointed run keeps the input tensors themselves, so their lifetime is the
+    memory's), and nothing once backward is done."""
+    from rrefpipe import memory
+
+    model = mlp([16, 64, 64, 8], seed=4)
+    x = torch.randn(32, 16)
+    with Pipe(model, chunks=4, checkpoint="always", balance=[2, 3], workers=cluster.names[:2]) as pipe:
+        names = [s.worker for s in pipe.stages]
+        memory.track_workers(names)
+        try:
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [pipe(x).local_value().sum()])
+            reports = memory.worker_reports(names, reset=True)
+        finally:
+            for name in names:
+                rpc.rpc_sync(name, memory.stop_tracking)
+    assert [r.saved_peak for r in reports] == [32 * 16 * 4, 32 * 64 * 4], reports
+    assert [r.saved_now for r in reports] == [0, 0], reports

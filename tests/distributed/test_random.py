@@ -82,3 +82,27 @@ def test_recomputation_drops_what_the_forward_dropped(cluster, checkpoint):
     assert 0.15 < kept.float().mean() < 0.35  # both masks at work, independently
     torch.testing.assert_close(out, x.detach() * kept * 4)
     torch.testing.assert_close(grad, w * kept * 4)
+
+
+def test_two_pipes_on_the_same_workers_replay_their_own_draws(cluster):
+    """D(G(x)), dropout on every stage of both pipes, both pipes on the same two workers, one backward:
+    each stage's recomputation (ahead of backward on one thread, or in it on another) draws its own
+    forward's masks, whatever the other pipe's stage on that worker does meanwhile."""
+    torch.manual_seed(11)
+    x = torch.rand(16, 32) + 0.5
+    w = torch.randn(16, 32)
+    x.requires_grad_()
+
+    def dropouts() -> Pipe:
+        return Pipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), chunks=4, checkpoint="always",
+                    balance=[1, 1], workers=cluster.names[:2])
+
+    with dropouts() as g, dropouts() as d:
+        with dist_autograd.context() as ctx:
+            out = d(g(x).local_value()).local_value()
+            dist_autograd.backward(ctx, [(out * w).sum()])
+            grad = dist_autograd.get_gradients(ctx)[x]
+    kept = out != 0
+    assert 0.02 < kept.float().mean() < 0.12  # four masks at work
+    torch.testing.assert_close(out, x.detach() * kept * 16)
+    torch.testing.assert_close(grad, w * kept * 16)
