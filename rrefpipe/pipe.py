@@ -57,7 +57,8 @@ class Pipe(nn.Module):
         module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
-            their forward in backward instead of keeping activations.
+            their forward for backward instead of keeping activations. Stages before the last
+            recompute ahead of backward, while they wait for the gradient, one micro-batch at a time.
         deferred_batch_norm: replace every ``BatchNorm*d`` that tracks running statistics by
             :class:`~rrefpipe.batchnorm.DeferredBatchNorm`, whose running statistics are those of the
             whole mini-batch, committed once per mini-batch (one nested in a child module is
