@@ -93,10 +93,11 @@ class Recomputable:
     Thread-safe: a recomputation ahead of backward (on any thread) and backward's own need of an
     activation run it once.
 
-    The graph owns it, through the saved-tensor hooks, and it owns nothing of the graph: not the output,
-    and not the recomputed graph either (see :meth:`_fill`), so reference counting frees it with the
-    graph. (A cycle through autograd's C++ nodes is invisible to the garbage collector: every step's
-    activations stayed, 100 MB a step on a ResNet stage, and backward ran twice as slow from fresh pages.)"""
+    The graph owns it, through the saved-tensor hooks, and it owns nothing of the graph its run recorded
+    (only the input, which comes before it): not the output, and not the recomputed graph either (see
+    :meth:`_fill`), so reference counting frees it with the graph. (A cycle through autograd's C++ nodes
+    is invisible to the garbage collector: every step's activations stayed, 100 MB a step on a ResNet
+    stage, and backward ran twice as slow from fresh pages.)"""
 
     def __init__(self, fn: Callable[[Any], Any], copy_input: bool = False) -> None:
         self._fn = fn
@@ -114,7 +115,7 @@ class Recomputable:
         self._cpu_rng = torch.get_rng_state()
         self._devices, self._device_rng = get_device_states(*microbatch.as_tensors(value))
         self._stream = _current_stream(value)
-        self._input = value  # these tensors: memory tracking counts an input as kept while they live
+        self._input = value  # the tensors themselves: memory tracking counts an input kept while they live
 
         def pack(t: Tensor) -> _Slot:
             slot = _Slot(t.shape, t.dtype, t.device)
@@ -125,7 +126,7 @@ class Recomputable:
         try:
             with saved_tensors_hooks(pack, self._unpack), _flag("checkpointing", True):
                 before = _versions(value)
-                out = self._fn(microbatch.apply(Tensor.clone, value) if self._copy_input else value)
+                out = self._fn(self._own(value))
                 if _versions(value) != before:
                     raise RuntimeError(
                         "a layer modified the stage's input in place (e.g. an in-place activation or `x.add_()` "
@@ -183,14 +184,17 @@ class Recomputable:
             # would hold that node, a cycle autograd cannot see, and leak the whole graph.
 
         with self._replayed(), saved_tensors_hooks(pack, _never_unpacked), torch.enable_grad(), recomputing(True):
-            value = microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), self._input)
-            self._fn(microbatch.apply(Tensor.clone, value) if self._copy_input else value)
+            self._fn(self._own(microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), self._input)))
         if count != len(self._slots) or not all(s.matches() for s in self._slots):
             for s in self._slots:
                 s.tensor = None
             raise RuntimeError(f"checkpointing: the recomputed forward saved {count} tensors for backward where "
                                f"the first saved {len(self._slots)}, or of other shapes, dtypes or devices: the "
                                "stage's forward must do the same work when run again")
+
+    def _own(self, value: Any) -> Any:
+        """What a run of ``fn`` gets: a copy of ``value`` where the stage's first layer overwrites its input."""
+        return microbatch.apply(Tensor.clone, value) if self._copy_input else value
 
     @contextmanager
     def _replayed(self) -> Iterator[None]:
