@@ -106,6 +106,7 @@ class Recomputable:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._recomputed = False
+        self._released = False  # a recomputation asked for ahead is no longer wanted
         self._first_run = False
 
     def run(self, value: Any) -> Any:
@@ -137,10 +138,10 @@ class Recomputable:
         return out
 
     def recompute(self) -> None:
-        """Bring the activations back now, unless that happened already; a failure is kept and raised
-        again where backward needs the activations."""
+        """Bring the activations back now, unless that happened already or :meth:`release` said they
+        are not wanted ahead; a failure is kept and raised again where backward needs the activations."""
         with self._lock:
-            if self._slots and not self._recomputed and self._error is None:
+            if self._slots and not self._recomputed and not self._released and self._error is None:
                 try:
                     self._fill()
                 except BaseException as exc:  # backward raises it, on its own thread (SystemExit too)
@@ -148,8 +149,10 @@ class Recomputable:
 
     def release(self) -> None:
         """Drop activations recomputed ahead that backward has not used yet (they come back if it needs
-        them): one run's, as checkpointing promises, when another forward follows before backward."""
+        them): one run's, as checkpointing promises, when another forward follows before backward. A
+        recomputation still queued ahead for this run does nothing after this: backward brings them."""
         with self._lock:
+            self._released = True
             if self._recomputed and all(s.tensor is not None for s in self._slots):
                 for s in self._slots:
                     s.tensor = None
