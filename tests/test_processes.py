@@ -407,6 +407,39 @@ def test_a_users_own_workers_module_neither_runs_as_a_worker_nor_hides_the_cause
     assert f"'workers' is hidden by {project / 'workers.py'}" in proc.stderr
 
 
+@pytest.mark.parametrize("worker_start, timeout, error", [
+    ("raise SystemExit('broken worker environment')", 60,
+     "workers that exited: {'worker1': 1, 'worker2': 1}): a stage worker exited before joining the group"),
+    ("import threading; threading.Event().wait()", 2, ": 0 of 2 stage workers joined the group within 2 s"),
+], ids=["exits", "hangs"])
+def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, worker_start, timeout, error):
+    """torch's rendezvous would wait 30 minutes for a worker process that exited at start-up: the start
+    fails as soon as one has, or at the start-up timeout, kills the rest, and a next start works."""
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import os; open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n{worker_start}\n")
+    out = run_script(f"""
+        import os, time
+        from workers import LocalWorkers
+        os.environ["PYTHONPATH"] = {str(tmp_path)!r}  # the workers run the sitecustomize above
+        start = time.monotonic()
+        try:
+            LocalWorkers(2, startup_timeout={timeout}).start()
+        except RuntimeError as exc:
+            print("error=" + str(exc))
+        print("took=" + str(time.monotonic() - start))
+        del os.environ["PYTHONPATH"]
+        with LocalWorkers(2) as workers:
+            print("again=" + str(workers.running))
+    """)
+    assert error in _values(out.stdout, "error")[0]
+    took = float(_values(out.stdout, "took")[0])
+    assert took < 30 if timeout == 60 else took >= timeout  # no waiting for a worker that exited
+    assert _values(out.stdout, "again") == ["True"]
+    pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(pids) == 2
+    wait_gone(pids, within=5)
+
+
 def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():
     """torch's RRef context keeps the process's first RPC group: RRefs owned by workers beyond it fail
     with "could not find destination id"; parameter_rrefs() says why and what to do, and a shared

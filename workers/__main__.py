@@ -14,6 +14,7 @@ from .launch import adopt_driver_sys_path
 from .network import configure_interface
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_INTEROP_THREADS, STAGE_RPC_THREADS, backend_options,
                       parse_device_map)
+from .rendezvous import local_url
 from .serve import serve
 
 __all__ = ["main", "parse_args"]
@@ -49,6 +50,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-map", action="append", default=[], metavar="PEER=SRC>DST",
                    help="send tensors on SRC to PEER's DST device, e.g. worker2=cuda:0>cuda:1 (repeatable)")
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (used by local launching)")
+    p.add_argument("--rendezvous", choices=("env", "local"), default="env",
+                   help="env (default): torch's, at the master's address; local: for a LocalWorkers driver, which "
+                   "watches its worker processes while they join (used by local launching)")
     args = p.parse_args(argv)
     for key in ("rank", "world_size", "master_port"):
         if getattr(args, key) is None:
@@ -65,8 +69,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         configure_interface(args.interface, args.master_addr, who=f"worker rank {args.rank}")
     except ValueError as exc:
         raise SystemExit(f"python -m workers: {exc}") from None
+    local = args.rendezvous == "local"
     options = backend_options(
         num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout,
+        init_method=local_url(args.master_addr, args.master_port, args.rpc_timeout) if local else None,
         transports=args.transport or LOCAL_TRANSPORTS,
         channels=args.channel, devices=args.device, device_maps=parse_device_map(args.device_map),
     )

@@ -21,6 +21,7 @@ import torch.distributed.rpc as rpc
 
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, init_rpc,
                       maps_to_later_workers)
+from .rendezvous import local_url, watching
 from .serve import stop_workers
 
 __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running",
@@ -51,6 +52,9 @@ class LocalWorkers:
     ``devices`` (one per worker, e.g. ``["cuda:0", "cuda:1"]``) sets each worker's TensorPipe device
     map so that worker k sends its device's tensors straight to every later worker's device. Everything binds
     to 127.0.0.1: RPC unpickles what peers send, so the group is reachable from this host only.
+
+    ``start()`` fails as soon as a worker process exits before joining the group, and at
+    ``startup_timeout`` seconds if they have not all joined (``workers.rendezvous``).
 
     Use as a context manager, or call :meth:`close`; workers are also stopped at interpreter exit.
     """
@@ -90,7 +94,7 @@ class LocalWorkers:
             raise RuntimeError("RPC is already initialised in this process: close the other pipe or LocalWorkers "
                                "first, or name its workers with Pipe(..., workers=[...])")
         port = free_port()
-        init_method = f"tcp://127.0.0.1:{port}"
+        init_method = local_url("127.0.0.1", port, self.startup_timeout)  # gives up on a worker that died
         env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
         # Stage work runs on many RPC/autograd threads; glibc's per-thread arenas then keep returning
         # memory to the OS and page-faulting it back (ResNet-style, m=8: 321 -> 259 ms per step).
@@ -112,7 +116,7 @@ class LocalWorkers:
             cmd = [sys.executable, "-c", _RUN_THIS_PACKAGE, "--rank", str(rank), "--world-size", str(world),
                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--name", name,
                    "--driver", self.driver_name, "--threads", str(self.threads), "--watch-stdin",
-                   "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo"]
+                   "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo", "--rendezvous", "local"]
             for transport in self.transports:
                 cmd += ["--transport", transport]
             cmd += self._device_args(rank - 1)
@@ -125,11 +129,12 @@ class LocalWorkers:
             _rpc.prepare_reinit()
             options = backend_options(rpc_timeout=self.startup_timeout, init_method=init_method,
                                       transports=self.transports)
-            init_rpc(self.driver_name, rank=0, world_size=world, options=options)
+            with watching(port, lambda: any(p.poll() is not None for p in self._procs)):
+                init_rpc(self.driver_name, rank=0, world_size=world, options=options)
             rpc._set_rpc_timeout(self.rpc_timeout)
         except BaseException as exc:
             dead = {name: p.returncode for name, p in zip(self.names, self._procs) if p.poll() is not None}
-            self._reap()
+            self._reap(timeout=0)  # they watch their stdin only once joined: nothing to wait for
             if not isinstance(exc, Exception):  # Ctrl-C while waiting for the workers stays a KeyboardInterrupt
                 raise
             detail = f" (workers that exited: {dead})" if dead else ""
