@@ -11,6 +11,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -164,11 +165,18 @@ class Stage:
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
                       value: TensorOrTensors) -> TensorOrTensors:
-        recomputable = Recomputable(fn, self._copy_input)
+        recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, i))
         out = recomputable.run(value)
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)
         return out
+
+    def _recompute_failed(self, i: int, exc: BaseException) -> None:
+        """Keep the whole story of a failed recomputation for the driver to ask: it fails inside
+        backward, where distributed autograd keeps at most the text (from a saved-tensor hook, only
+        "python_error")."""
+        self.backward_failures.append(
+            Failure.capture(exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
 
     def recompute_soon(self, step: int, i: int) -> None:
         """Recompute checkpointed micro-batch ``i`` ahead of its backward, if this stage does that: the
@@ -199,15 +207,6 @@ class Stage:
                 if not again:
                     outgoing.update(router.outgoing)
                 return out
-            except Exception as exc:
-                if not again:
-                    raise
-                # Raised inside backward, where distributed autograd keeps at most the text (from a
-                # saved-tensor hook, only "python_error"): keep the whole story for the driver to ask.
-                failure = Failure.capture(exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute")
-                self.backward_failures.append(failure)
-                raise RuntimeError(f"stage {self.index} on worker {self.worker!r}, micro-batch {i} failed in "
-                                   f"recompute: {failure.error_type}: {failure.message}") from exc
             finally:
                 self.recorder.add("recompute" if again else "forward", step, i, start, time.time())
 

@@ -345,6 +345,13 @@ class RaiseInRecompute(nn.Module):
         return torch.tanh(x)  # saves its output, so backward needs the recomputation
 
 
+class DiffersOnRecompute(nn.Module):
+    """Saves other tensors for backward when checkpointing runs it again: not the same work twice."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * x if is_recomputing() else torch.tanh(x)  # saves (x, x), then its output
+
+
 class DoubleInPlace(nn.Module):
     """Modifies its input in place, with nothing on the module to say so (no ``inplace`` flag)."""
 

@@ -175,13 +175,15 @@ def test_a_failed_recomputation_raises_in_backward(ahead):
         return x * x  # saves x: backward must recompute
 
     x = torch.ones(2, requires_grad=True)
-    run = Recomputable(flaky)
+    told: list[BaseException] = []
+    run = Recomputable(flaky, on_failure=told.append)
     out = run.run(x)
     if ahead:
         run.recompute()  # keeps the error for backward, on backward's thread
     with pytest.raises(RuntimeError, match="changed its mind"):
         out.sum().backward()
     assert calls == [False, True]  # not tried again
+    assert [str(e) for e in told] == ["changed its mind"]  # told once, for the driver to ask
 
 
 @pytest.mark.parametrize("again", [lambda x: x.exp().exp(), lambda x: x.double().exp()])

@@ -145,6 +145,10 @@ def test_a_backward_hung_past_the_rpc_timeout_names_its_stage():
 @pytest.mark.parametrize("layer, checkpoint, expected", [
     ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
     ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
+    ("DiffersOnRecompute", "always", ("recompute", "RuntimeError",
+                                      "checkpointing: the recomputed forward saved 2 tensors for backward where the "
+                                      "first saved 1, or of other shapes, dtypes or devices: the stage's forward must "
+                                      "do the same work when run again")),
 ])
 def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, checkpoint, expected):
     v = _run(f"stage raising in {expected[0]}", f"""
