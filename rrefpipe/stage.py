@@ -250,29 +250,34 @@ class _RecomputeAhead:
     def __init__(self) -> None:
         self._runs: dict[tuple[int, int], weakref.ref[Recomputable]] = {}  # the graph owns each run
         self._requested: list[weakref.ref[Recomputable]] = []
+        self._lock = threading.Lock()  # requests come from the RPC thread and from backward's
         with self._started:
             if _RecomputeAhead._thread is None:  # one for the process: a daemon, so exit never waits on it
                 _RecomputeAhead._thread = threading.Thread(target=self._serve, name="rrefpipe-recompute", daemon=True)
                 _RecomputeAhead._thread.start()
 
     def keep(self, step: int, i: int, run: Recomputable) -> None:
-        self._runs[(step, i)] = weakref.ref(run)
+        with self._lock:
+            self._runs[(step, i)] = weakref.ref(run)
 
     def new_step(self) -> None:
         """A forward starts: runs whose graph has gone are forgotten, and activations recomputed ahead
         for a backward that has not come (several forwards before one backward) are dropped again."""
-        self._runs = {key: ref for key, ref in self._runs.items() if ref() is not None}
-        for ref in self._requested:
+        with self._lock:
+            self._runs = {key: ref for key, ref in self._runs.items() if ref() is not None}
+            requested, self._requested = self._requested, []
+        for ref in requested:
             run = ref()
             if run is not None:
                 run.release()
-        self._requested = []
 
     def request(self, step: int, i: int) -> None:
-        ref = self._runs.pop((step, i), None)
-        if ref is not None:
+        with self._lock:
+            ref = self._runs.pop((step, i), None)
+            if ref is None:
+                return
             self._requested = [r for r in self._requested if r() is not None] + [ref]
-            self._requests.put(ref)
+        self._requests.put(ref)
 
     @classmethod
     def _serve(cls) -> None:
