@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _rpc, autocast, microbatch, server
 from .dependency import new_phony
-from .errors import Failure, StageError, WorkerError, warn_user
+from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
@@ -112,7 +112,7 @@ class RemoteDriver:
             return rpc.rpc_sync(worker, fn, args=args, timeout=self.rpc_timeout)
         except Exception as exc:
             raise Failure.capture(exc, stage=index, worker=worker, microbatch=None, phase=fn.__name__,
-                                  transport=_is_transport_error(exc)).to_exception() from exc
+                                  transport=is_transport_error(exc)).to_exception() from exc
 
     def _check_open(self) -> None:
         if self._closed:  # its stages are gone: a state dict would come back empty, a forward fail obscurely
@@ -276,8 +276,8 @@ class RemoteDriver:
         matches = list(_NODE.finditer(text))
         names = _rpc.worker_names()
         message = text[matches[-1].end():] if matches else text
-        if not matches or _is_transport_error(message):
-            dead = self._unresponsive("the worker is unreachable", phase, message)
+        if not matches or is_transport_error(message):
+            dead = self._unresponsive(UNREACHABLE, phase, message)
             if dead is not None:
                 return dead
             if "timeout" in message:  # a backward hung in a layer leaves its worker's RPC thread free
@@ -299,7 +299,7 @@ class RemoteDriver:
                     return Failure(j, names[node], int(where["i"]) if where["i"] else None, where["phase"],
                                    where["type"], where["message"], text).to_exception()
                 return Failure(j, names[node], None, phase, "Error", message, text,
-                               transport=_is_transport_error(message)).to_exception()
+                               transport=is_transport_error(message)).to_exception()
         return exc
 
     def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:
@@ -385,9 +385,3 @@ def _first_cause(failures: list[Failure]) -> StageError:
     own error before a transport failure, then the earliest micro-batch."""
     real = [f for f in failures if not f.cancelled] or failures
     return min(real, key=lambda f: (f.transport, f.microbatch or 0)).to_exception()
-
-
-def _is_transport_error(exc: BaseException | str) -> bool:
-    text = str(exc)
-    return any(s in text for s in ("eof", "EOF", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
-                                    "Connection reset", "Broken pipe", "closed"))

@@ -57,6 +57,23 @@ class WorkerError(StageError):
     """The RPC to or from a stage worker failed: the worker died, was unreachable, or timed out."""
 
 
+#: How a failure that is a lost connection to the worker reads.
+UNREACHABLE = "the worker is unreachable"
+
+
+def is_transport_error(exc: BaseException | str) -> bool:
+    """Whether an RPC error is TensorPipe's about the connection (lost, refused, timed out), not a
+    remote function's."""
+    text = str(exc)
+    return any(s in text for s in ("eof", "EOF", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
+                                    "Connection reset", "Broken pipe", "closed"))
+
+
+def lost_connection(exc: BaseException | str) -> bool:
+    """A transport error other than a timeout: the peer is gone (a timed-out peer may only be busy)."""
+    return is_transport_error(exc) and "timeout" not in str(exc)
+
+
 @dataclass
 class Failure:
     """A picklable record of an exception raised on a worker."""
@@ -88,7 +105,10 @@ class Failure:
         except Exception as unprintable:  # a __str__ that raises must not cost the report
             message = f"<{type(exc).__name__} that cannot be printed: {type(unprintable).__name__}>"
             trace, original = "".join(traceback.format_exception(unprintable)), None
-        return cls(stage, worker, microbatch, phase, type(exc).__name__, message, trace, original, transport)
+        error_type = type(exc).__name__
+        if transport and lost_connection(message):  # the same words wherever a dead worker shows
+            error_type, message = "WorkerError", f"{UNREACHABLE} ({message})"
+        return cls(stage, worker, microbatch, phase, error_type, message, trace, original, transport)
 
     def original_exception(self) -> BaseException | None:
         """The original exception, where this process can unpickle it: its class may live in a module

@@ -45,11 +45,13 @@ def test_worker_killed_during_a_step(phase, layer):
             with dist_autograd.context() as ctx:
                 pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
         except WorkerError as exc:
-            report(stage=exc.stage, worker=exc.worker, phase=exc.phase, surfaced=time.monotonic() - t)
+            report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
+                   message=exc.error_message, surfaced=time.monotonic() - t)
         t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
     """)
     assert (v["stage"], v["worker"]) == ("1", "worker2")
     assert v["phase"].startswith(phase)
+    assert (v["type"], v["message"].split(" (")[0]) == ("WorkerError", "the worker is unreachable")
     assert float(v["surfaced"]) < 10 and float(v["closed"]) < 15
 
 
