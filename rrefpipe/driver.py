@@ -18,6 +18,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
+from torch.futures import Future
 
 from . import _rpc, autocast, microbatch, server
 from .dependency import new_phony
@@ -107,20 +108,38 @@ class RemoteDriver:
     def _call(self, index: int, fn: Any, *args: Any) -> Any:
         """A synchronous control RPC to stage ``index``; failures name the stage and worker."""
         self._check_open()
-        worker = self.workers[index]
         try:
-            return rpc.rpc_sync(worker, fn, args=args, timeout=self.rpc_timeout)
+            return rpc.rpc_sync(self.workers[index], fn, args=args, timeout=self.rpc_timeout)
         except Exception as exc:
-            raise Failure.capture(exc, stage=index, worker=worker, microbatch=None, phase=fn.__name__,
-                                  transport=is_transport_error(exc)).to_exception() from exc
+            raise self._control_failure(index, fn, exc) from exc
+
+    def _control_failure(self, index: int, fn: Any, exc: Exception) -> StageError:
+        return Failure.capture(exc, stage=index, worker=self.workers[index], microbatch=None, phase=fn.__name__,
+                               transport=is_transport_error(exc)).to_exception()
 
     def _check_open(self) -> None:
         if self._closed:  # its stages are gone: a state dict would come back empty, a forward fail obscurely
             raise RuntimeError("this Pipe is closed: its stages were dropped from their workers; build a new Pipe")
 
     def _call_all(self, fn: Any, *args: Any) -> list[Any]:
+        """``fn(pipe_id, j, *args)`` on every stage j, sent to all at once (a round trip each would add up
+        per stage); a failure names the first stage, in stage order, that failed."""
         self._check_open()
-        return [self._call(j, fn, self.pipe_id, j, *args) for j in range(len(self.infos))]
+        sent: list[Future[Any] | Exception] = []
+        for j in range(len(self.infos)):
+            try:
+                sent.append(rpc.rpc_async(self.workers[j], fn, args=(self.pipe_id, j, *args), timeout=self.rpc_timeout))
+            except Exception as exc:  # refused before it left (a worker known to be gone)
+                sent.append(exc)
+        results = []
+        for j, call in enumerate(sent):
+            if isinstance(call, Exception):
+                raise self._control_failure(j, fn, call) from call
+            try:
+                results.append(call.wait())
+            except Exception as exc:
+                raise self._control_failure(j, fn, exc) from exc
+        return results
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
         rrefs = [rref for rrefs in self._call_all(server.parameter_rrefs) for rref in rrefs]

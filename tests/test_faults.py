@@ -47,11 +47,16 @@ def test_worker_killed_during_a_step(phase, layer):
         except WorkerError as exc:
             report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
                    message=exc.error_message, surfaced=time.monotonic() - t)
+        try:  # a control call goes to every stage at once; the one that failed is named
+            pipe.state_dict()
+        except WorkerError as exc:
+            report(control=",".join(map(str, (exc.stage, exc.worker, exc.phase, exc.error_message.split(" (")[0]))))
         t = time.monotonic(); pipe.close(); report(closed=time.monotonic() - t)
     """)
     assert (v["stage"], v["worker"]) == ("1", "worker2")
     assert v["phase"].startswith(phase)
     assert (v["type"], v["message"].split(" (")[0]) == ("WorkerError", "the worker is unreachable")
+    assert v["control"] == "1,worker2,state_dict,the worker is unreachable"
     assert float(v["surfaced"]) < 10 and float(v["closed"]) < 15
 
 
