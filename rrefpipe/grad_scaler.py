@@ -73,21 +73,15 @@ class GradScaler:
 
         if not isinstance(pipe, Pipe):
             raise TypeError(f"GradScaler scales the gradients of a rrefpipe.Pipe's stages, got {type(pipe).__name__}")
-        if not init_scale > 0 or not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"need init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1, got {init_scale}, "
-                             f"{growth_factor} and {backoff_factor}")
-        try:
-            growth_interval = operator.index(growth_interval)
-        except TypeError:
-            raise TypeError(f"growth_interval must be an int, got {growth_interval!r}") from None
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {init_scale}")
         self._pipe = pipe
         self._enabled = enabled
         self._scale = torch.full((1,), float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
-        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
-        self._growth_interval = growth_interval
+        self.set_growth_factor(growth_factor)
+        self.set_backoff_factor(backoff_factor)
+        self.set_growth_interval(growth_interval)
         self._found_inf: dict[int, bool] = {}  # the contexts unscaled since the last update()
         self._stepped: set[int] = set()  # id() of the optimizers stepped since then
         self._stepped_contexts: set[int] = set()  # unscale_() after step() is refused, as in torch
@@ -98,6 +92,37 @@ class GradScaler:
     def get_scale(self) -> float:
         """The scale the next ``scale()`` multiplies by (1.0 when disabled)."""
         return float(self._scale.item()) if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """What ``update()`` multiplies the scale by after ``growth_interval`` good steps in a row."""
+        if not new_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {new_factor}")
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """What ``update()`` multiplies the scale by after a step that overflowed."""
+        if not 0.0 < new_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {new_factor}")
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """How many good steps in a row make ``update()`` grow the scale."""
+        try:
+            interval = operator.index(new_interval)
+        except TypeError:
+            raise TypeError(f"growth_interval must be an int, got {new_interval!r}") from None
+        if interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {interval}")
+        self._growth_interval = interval
 
     def scale(self, outputs: Outputs) -> Outputs:
         """The loss (or a list or tuple of losses) times the scale, to pass to backward."""

@@ -116,6 +116,30 @@ def test_state_dict_is_torchs(cluster):
         assert disabled.state_dict() == {} and disabled.scale(loss) is loss and disabled.get_scale() == 1.0
 
 
+def test_growth_and_backoff_are_read_and_changed_as_torchs(cluster):
+    """The setters change what the next update() does: a good step at interval 1 grows the scale by the
+    new growth factor, an overflow lowers it by the new backoff factor; bad values are refused."""
+    batches = batches_with_overflows(2, bad=[1])
+    with Pipe(model_that_overflows(0), balance=[1, 5], workers=cluster.names[:2]) as pipe:
+        scaler = GradScaler(pipe, init_scale=8.0, growth_interval=5)
+        reference = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=5)
+        for s in (scaler, reference):
+            s.set_growth_factor(3.0)
+            s.set_backoff_factor(0.25)
+            s.set_growth_interval(1)
+        read = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+        assert read == (reference.get_growth_factor(), reference.get_backoff_factor(),
+                        reference.get_growth_interval()) == (3.0, 0.25, 1)
+        opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        assert pipe_scaled_steps(pipe, opt, scaler, batches, None) == [24.0, 6.0]
+        refused = [(scaler.set_growth_factor, 1.0, ValueError), (scaler.set_backoff_factor, 1.5, ValueError),
+                   (scaler.set_growth_interval, 0, ValueError), (scaler.set_growth_interval, 1.5, TypeError)]
+        for setter, bad, error in refused:
+            with pytest.raises(error):
+                setter(bad)
+        assert read == (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+
+
 def test_a_disabled_scaler_steps_as_plain_training(cluster):
     model = model_that_overflows(0)
     reference = twin(model)
