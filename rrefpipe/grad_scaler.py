@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributed.optim import DistributedOptimizer
-
 from . import _rpc
 
 if TYPE_CHECKING:  # the stage servers import unscale(): the Pipe is imported where it is needed
+    from torch.distributed.optim import DistributedOptimizer  # 0.7 s of imports (FSDP, DTensor, sympy)
+
     from .pipe import Pipe
 
 __all__ = ["GradScaler", "unscale"]
@@ -155,6 +155,8 @@ class GradScaler:
         """``optimizer.step(context_id)`` with the unscaled gradients, or nothing on any worker when a
         stage's gradients held an inf or a nan (``update()`` then lowers the scale), or when unscaling
         them failed part-way (``unscale_`` raised)."""
+        from torch.distributed.optim import DistributedOptimizer  # imported by the caller, who built one
+
         if not isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"expected a torch.distributed.optim.DistributedOptimizer, got {type(optimizer).__name__} "
                             "(in a world of one, with a local optimizer and loss.backward(), use torch.amp.GradScaler)")
