@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
+
 from . import _rpc
 
 if TYPE_CHECKING:  # the stage servers import unscale(): the Pipe is imported where it is needed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
@@ -26,7 +27,7 @@ __all__ = ["SCHEME", "local_url", "watching"]
 SCHEME = "rrefpipe-local"
 _JOINED = "rrefpipe/joined"
 _ALL_JOINED = "rrefpipe/all-joined"
-_TURN = 0.05  # seconds  # how soon the driver notices a worker that died while it waits
+_TURN = 0.05  # seconds between the driver's looks at the store and at its worker processes
 
 _watchers: dict[int, Callable[[], bool]] = {}  # port -> "has one of the workers exited?"
 _watchers_lock = threading.Lock()
@@ -37,22 +38,20 @@ def local_url(host: str, port: int, timeout: float) -> str:
     return f"{SCHEME}://{host}:{port}?timeout={timeout:g}"
 
 
-class watching:
+@contextmanager
+def watching(port: int, exited: Callable[[], bool]) -> Iterator[None]:
     """While the driver joins at ``port``, ``exited()`` tells whether one of its workers has gone."""
-
-    def __init__(self, port: int, exited: Callable[[], bool]) -> None:
-        self._port, self._exited = port, exited
-
-    def __enter__(self) -> None:
+    with _watchers_lock:
+        _watchers[port] = exited
+    try:
+        yield
+    finally:
         with _watchers_lock:
-            _watchers[self._port] = self._exited
-
-    def __exit__(self, *exc: object) -> None:
-        with _watchers_lock:
-            _watchers.pop(self._port, None)
+            _watchers.pop(port, None)
 
 
 def _handler(url: str, **kwargs: object) -> Iterator[tuple[dist.Store, int, int]]:
+    """torch's rendezvous-handler protocol: yield (store, rank, world size) once."""
     parsed = urlparse(url)
     query = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
     rank, world_size = int(query["rank"]), int(query["world_size"])
