@@ -287,7 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaling-micro-batch", type=int, default=4,
                    help="samples per micro-batch in the sweep (the mini-batch is chunks x this)")
     p.add_argument("--scaling-checkpoint", choices=MODES, default="never", help="checkpoint mode of the sweep")
-    p.add_argument("--scaling-repeats", type=int, default=3, help="timed steps per point of the sweep")
+    p.add_argument("--scaling-repeats", type=int, default=5, help="timed steps per point of the sweep")
     p.add_argument("--hop-sizes", nargs="*", choices=list(SIZES), default=list(SIZES),
                    help="stage-hop tensor sizes (bench_core; none: skip)")
     p.add_argument("--hop-repeats", type=int, default=30, help="timed rounds per hop size (half for 16MB)")

@@ -8,7 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from suite_targets import contended_bubble, core_bound, round_ratios, vs_pipelining  # noqa: E402  (the benchmarks are scripts, not a package)
+from suite_targets import (  # noqa: E402  (the benchmarks are scripts, not a package)
+    contended_bubble, core_bound, round_ratios, vs_pipelining, work_ratio)
 
 
 def section(forward_ms: list[float], backward_ms: list[float], chunks: int) -> dict[str, object]:
@@ -43,6 +44,12 @@ def test_unbalanced_stages_fit_on_fewer_cores() -> None:
 def test_missing_measurement() -> None:
     assert core_bound(section([1.0], [2.0], 8), 16, "never", cores=2) is None
     assert core_bound(section([1.0], [2.0], 8), 8, "never", cores=0) is None
+
+
+def test_work_ratio_adds_one_forward_per_stage() -> None:
+    # Stage work per micro-batch 1 + 2 and 2 + 3 ms, 8 ms in all; recomputed, 3 ms more.
+    assert work_ratio(section([1.0, 2.0], [2.0, 3.0], 4), 4) == pytest.approx(11 / 8)
+    assert work_ratio(section([1.0], [2.0], 4), 8) is None
 
 
 def contended(section_: dict[str, object], chunks: int, factors: list[float]) -> dict[str, object]:
