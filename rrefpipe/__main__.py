@@ -71,7 +71,8 @@ def _timeline(args: argparse.Namespace) -> None:
     from .pipe import Pipe
 
     torch.manual_seed(0)
-    layers = [m for _ in range(args.stages * args.layers_per_stage) for m in (nn.Linear(args.width, args.width), nn.ReLU())]
+    layers = [m for _ in range(args.stages * args.layers_per_stage)
+              for m in (nn.Linear(args.width, args.width), nn.ReLU())]
     x = torch.randn(args.batch_size, args.width)
     with Pipe(nn.Sequential(*layers), chunks=args.chunks, checkpoint=args.checkpoint,
               devices=["cpu"] * args.stages) as pipe:

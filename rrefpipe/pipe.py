@@ -113,7 +113,8 @@ class Pipe(nn.Module):
         if balance is not None:
             balance = check_balance(balance, len(module))
             stage_devices = _devices(devices, len(balance)) or [
-                module_device(m, f"stage {j}") or torch.device("cpu") for j, m in enumerate(split_module(module, balance))]
+                module_device(m, f"stage {j}") or torch.device("cpu")
+                for j, m in enumerate(split_module(module, balance))]
         elif devices is not None:
             stage_devices = _devices(devices, None) or []
             balance = uniform_balance(len(module), len(stage_devices))

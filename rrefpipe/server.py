@@ -189,7 +189,8 @@ class StageServer:
         stale.set_result(self._cancelled(i, "it belongs to an earlier step"))
         return stale
 
-    def _arrive(self, meta: StepMeta, kind: str, payload: Any, updates: dict[int, Callable[[_Job], None]]) -> list[_Job]:
+    def _arrive(self, meta: StepMeta, kind: str, payload: Any,
+                updates: dict[int, Callable[[_Job], None]]) -> list[_Job]:
         """Record what arrived for micro-batches ``updates``, then drain unless a body already is.
         Returns their jobs, or nothing when the message belongs to an earlier step."""
         count, nbytes = _count(payload)
@@ -345,7 +346,8 @@ class StageServer:
         def blame(exc: BaseException) -> Failure:
             return Failure.capture(exc, stage=self.spec.index if stage is None else stage, worker=target,
                                    microbatch=job.i, transport=True,
-                                   phase=f"forward (receiving from stage {self.spec.index} on worker {self.stage.worker!r})")
+                                   phase=f"forward (receiving from stage {self.spec.index} "
+                                         f"on worker {self.stage.worker!r})")
 
         try:
             sent = rpc.rpc_async(target, fn, args=args, timeout=job.meta.timeout)

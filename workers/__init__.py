@@ -4,4 +4,5 @@ from .launch import LocalWorkers, free_port
 from .options import DEFAULT_RPC_TIMEOUT, backend_options
 from .serve import serve, stop_workers
 
-__all__ = ["torchrun_group", "GroupEnv", "LocalWorkers", "free_port", "backend_options", "serve", "stop_workers", "DEFAULT_RPC_TIMEOUT"]
+__all__ = ["torchrun_group", "GroupEnv", "LocalWorkers", "free_port", "backend_options", "serve", "stop_workers",
+           "DEFAULT_RPC_TIMEOUT"]

@@ -91,14 +91,16 @@ class GroupEnv:
         return f"cuda:{local_rank % self.gpus_per_node}"
 
 
-def stage_devices(group: GroupEnv, devices: str | Sequence[str] | None,
-                  device_maps: Mapping[str, DeviceMap] | None = None) -> tuple[list[str] | None, dict[str, dict[str, str]]]:
+def stage_devices(
+    group: GroupEnv, devices: str | Sequence[str] | None, device_maps: Mapping[str, DeviceMap] | None = None,
+) -> tuple[list[str] | None, dict[str, dict[str, str]]]:
     """This rank's TensorPipe ``devices`` and device maps (pure; the driver keeps tensors on the CPU).
 
     ``devices``: ``None`` (CPU stages), ``"cuda"`` (stage worker of rank k on ``cuda:LOCAL_RANK``, modulo
     the node's GPUs, see :meth:`GroupEnv.cuda_device`; the other workers' devices are derived assuming
-    every node runs ``LOCAL_WORLD_SIZE`` processes and has as many GPUs as this one), or one device per stage worker (ranks 1..WORLD_SIZE-1, the same
-    list as ``Pipe(devices=...)``), mapped as :func:`~workers.options.maps_to_later_workers` says.
+    every node runs ``LOCAL_WORLD_SIZE`` processes and has as many GPUs as this one), or one device per
+    stage worker (ranks 1..WORLD_SIZE-1, the same list as ``Pipe(devices=...)``), mapped as
+    :func:`~workers.options.maps_to_later_workers` says.
     ``device_maps``, keyed by the *sending* worker's name (``{"worker1": {"worker2": {"cuda:0":
     "cuda:1"}}}``), adds or overrides entries for whichever rank has that name, so one literal serves the
     whole job.

@@ -97,7 +97,8 @@ def parse_device_map(entries: Sequence[str]) -> dict[str, dict[str, str]]:
         peer, sep, pair = entry.partition("=")
         src, arrow, dst = pair.partition(">")
         if not (sep and arrow and peer and src and dst):
-            raise ValueError(f"device map entry must look like PEER=SRC>DST (e.g. worker2=cuda:0>cuda:1), got {entry!r}")
+            raise ValueError(f"device map entry must look like PEER=SRC>DST (e.g. worker2=cuda:0>cuda:1), "
+                             f"got {entry!r}")
         maps.setdefault(peer, {})[src] = dst
     return maps
 
