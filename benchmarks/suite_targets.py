@@ -25,8 +25,8 @@ drain at the cost alone. It is an estimate, not a proof, of how close any schedu
 
 Recomputation adds work, one more forward per checkpointed micro-batch and stage. The recomputation
 target also reports the "work ratio": the stages' forward + backward + recomputed forward over their
-forward + backward, timed alone at the micro-batch size. Where 'never' keeps every core busy (large m,
-more stage processes than cores), 'always' has that much more to do on the same cores, and no schedule
+forward + backward, timed alone at the micro-batch size. Where 'never' keeps every core busy (at large m,
+or with more stage processes than cores), 'always' has that much more to do on the same cores, and no schedule
 can hide it; where 'never' leaves cores idle (small m), recomputation can run in that time and cost
 less. Like the core bound, it explains a miss and does not move the bar.
 """
