@@ -20,8 +20,9 @@ processes share the clock). Per step we compute, then report the median over the
 * ``fwd_ms`` / ``bwd_ms``: per stage, the summed forward spans and the time covered by its backward
   (and recompute) spans; ``bench_suite`` divides them by m x the in-process micro-batch compute time
   (``fwd_inflation`` / ``bwd_inflation``: above 1 the stage computes slower on its worker than alone);
-* ``cpu`` (``proc_delta``): per process and timed step, user and kernel CPU ms and minor page faults
-  (rrefpipe: the driver, then each stage worker; pipelining: each rank), from ``/proc``;
+* ``cpu`` (``proc_delta``): per process and timed step, user and kernel CPU ms, minor page faults and
+  the CPU ms of the transport threads (TensorPipe's or gloo's loops) (rrefpipe: the driver, then each
+  stage worker; pipelining: each rank), from ``/proc``;
 * ``busy``: per stage, the time covered by its spans over the step; ``max_gap_ms``: its largest idle
   gap between its first and its last span; ``bwd_overlap``: most backward spans open at once on one
   stage (several micro-batches' backward interleaved by the autograd engine).
@@ -137,21 +138,48 @@ def analyse_steps(events: Sequence[Any], steps: Sequence[dict[str, float]], n: i
     return out
 
 
+# Threads that carry messages: TensorPipe's transport and channel loops (``TP_UV_loop``, ``TP_CMA_loop``,
+# ...) and gloo's (``gloo_tcp_loop``, ``pt_gloo_runloop``). What they burn is per-message engine cost.
+TRANSPORT_THREADS = ("TP_", "gloo", "pt_gloo")
+
+
 def proc_stat(pid: int) -> list[float] | None:
-    """CPU ms in user and kernel mode and minor page faults of process ``pid`` so far (Linux ``/proc``)."""
+    """CPU ms in user and kernel mode, minor page faults, and the CPU ms of the process's
+    :data:`TRANSPORT_THREADS`, of process ``pid`` so far (Linux ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    return [int(fields[11]) * 1e3 / tick, int(fields[12]) * 1e3 / tick, float(fields[7])]
+    return [int(fields[11]) * 1e3 / tick, int(fields[12]) * 1e3 / tick, float(fields[7]),
+            _transport_ticks(pid) * 1e3 / tick]
+
+
+def _transport_ticks(pid: int) -> int:
+    ticks = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        if name.startswith(TRANSPORT_THREADS):
+            fields = text.rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks
 
 
 def proc_delta(before: Sequence[list[float] | None], after: Sequence[list[float] | None],
                steps: int) -> dict[str, list[float]] | None:
-    """Per process, per step: ``user_ms``, ``sys_ms``, ``minor_faults`` between two :func:`proc_stat` lists."""
+    """Per process, per step: ``user_ms``, ``sys_ms``, ``minor_faults`` and ``transport_ms`` between
+    two :func:`proc_stat` lists."""
     if not steps or any(b is None or a is None for b, a in zip(before, after)):
         return None
-    rows = [[(a[k] - b[k]) / steps for k in range(3)] for b, a in zip(before, after)]  # type: ignore[index]
-    return {key: [r[k] for r in rows] for k, key in enumerate(("user_ms", "sys_ms", "minor_faults"))}
+    rows = [[(a[k] - b[k]) / steps for k in range(4)] for b, a in zip(before, after)]  # type: ignore[index]
+    return {key: [r[k] for r in rows] for k, key in enumerate(("user_ms", "sys_ms", "minor_faults", "transport_ms"))}

@@ -77,16 +77,24 @@ def cpu_total_ms(cpu: dict[str, list[float]] | None) -> float | None:
     return None if not cpu else sum(cpu["user_ms"]) + sum(cpu["sys_ms"])
 
 
+def transport_ms(cpu: dict[str, list[float]] | None) -> float | None:
+    """CPU time of a step on the transport threads (TensorPipe's or gloo's loops), all processes."""
+    return None if not cpu or "transport_ms" not in cpu else sum(cpu["transport_ms"])
+
+
 def print_cpu(sec: dict[str, Any]) -> None:
     print("  CPU per timed step, user ms / kernel ms / minor page faults, per process "
           "(rrefpipe 'never': driver, then stage workers; GPipe: ranks); GP/rr: GPipe's CPU over rrefpipe's, "
-          "all processes (on the 2-core machine it follows the rr/GP throughput ratio):")
+          "all processes (on the 2-core machine it follows the rr/GP throughput ratio); loops: ms of it on "
+          "the transport threads (TensorPipe's, gloo's), rrefpipe / GPipe:")
     for r in sec["rows"]:
         c = r["contestants"]
         rr, gp = ((c.get(k) or {}).get("cpu") for k in ("never", "gpipe"))
         rr_ms, gp_ms = cpu_total_ms(rr), cpu_total_ms(gp)
         ratio = gp_ms / rr_ms if rr_ms and gp_ms is not None else None
-        print(f"  {r['chunks']:>3}  rrefpipe {_cpu(rr):<44} GPipe {_cpu(gp):<30} GP/rr {_f(ratio, '.2f')}")
+        loops = (transport_ms(rr), transport_ms(gp))
+        loops_text = "" if loops == (None, None) else f"  loops {_f(loops[0])}/{_f(loops[1])}"  # older runs: none
+        print(f"  {r['chunks']:>3}  rrefpipe {_cpu(rr):<44} GPipe {_cpu(gp):<30} GP/rr {_f(ratio, '.2f')}{loops_text}")
 
 
 def print_memory(result: dict[str, Any]) -> None:

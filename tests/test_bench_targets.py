@@ -99,3 +99,39 @@ def test_round_ratios_pair_rounds() -> None:
     rr = {"round_medians_ms": [100.0, 200.0]}
     assert round_ratios(rr, {"round_medians_ms": [110.0, 100.0]}) == pytest.approx([1.1, 0.5])
     assert round_ratios({}, {"round_medians_ms": [1.0]}) == []
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_of_transport_threads_is_counted_apart() -> None:
+    """A thread named as TensorPipe names its loop counts as transport; another does not. Both stay
+    alive until the second reading: /proc lists only live threads (as a worker's loops are)."""
+    import ctypes
+    import os
+    import threading
+    import time
+
+    from suite_record import proc_delta, proc_stat
+
+    burnt, done = threading.Barrier(3), threading.Event()
+
+    def burn(name: bytes) -> None:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+        while time.thread_time() < 0.3:
+            pass
+        burnt.wait()
+        done.wait()
+
+    before = proc_stat(os.getpid())
+    threads = [threading.Thread(target=burn, args=(name,)) for name in (b"TP_UV_loop", b"worker")]
+    for thread in threads:
+        thread.start()
+    burnt.wait()
+    after = proc_stat(os.getpid())
+    done.set()
+    for thread in threads:
+        thread.join()
+    delta = proc_delta([before], [after], steps=1)
+    assert delta is not None
+    assert 250 <= delta["transport_ms"][0] <= 400  # the first thread only (clock ticks: 10 ms apart)
+    assert delta["user_ms"][0] + delta["sys_ms"][0] >= 550  # the process: both threads
