@@ -146,33 +146,35 @@ TRANSPORT_THREADS = ("TP_", "gloo", "pt_gloo")
 def proc_stat(pid: int) -> list[float] | None:
     """CPU ms in user and kernel mode, minor page faults, and the CPU ms of the process's
     :data:`TRANSPORT_THREADS`, of process ``pid`` so far (Linux ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    stat = _read_stat(f"/proc/{pid}/stat")
+    if stat is None:
         return None
+    fields = stat[1]
     tick = os.sysconf("SC_CLK_TCK")
     return [int(fields[11]) * 1e3 / tick, int(fields[12]) * 1e3 / tick, float(fields[7]),
             _transport_ticks(pid) * 1e3 / tick]
 
 
+def _read_stat(path: str) -> tuple[str, list[str]] | None:
+    """The name in a ``/proc`` ``stat`` file and the fields after it; None once the process or thread is gone."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    name, rest = text.split("(", 1)[1].rsplit(")", 1)
+    return name, rest.split()
+
+
 def _transport_ticks(pid: int) -> int:
-    ticks = 0
+    """Clock ticks (user + kernel) of the process's live :data:`TRANSPORT_THREADS`."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                text = f.read()
-        except OSError:  # the thread ended
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        if name.startswith(TRANSPORT_THREADS):
-            fields = text.rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks
+    stats = (_read_stat(f"/proc/{pid}/task/{tid}/stat") for tid in tids)
+    return sum(int(fields[11]) + int(fields[12]) for name, fields in filter(None, stats)
+               if name.startswith(TRANSPORT_THREADS))
 
 
 def proc_delta(before: Sequence[list[float] | None], after: Sequence[list[float] | None],

@@ -101,7 +101,6 @@ def test_round_ratios_pair_rounds() -> None:
     assert round_ratios({}, {"round_medians_ms": [1.0]}) == []
 
 
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cpu_of_transport_threads_is_counted_apart() -> None:
     """A thread named as TensorPipe names its loop counts as transport; another does not. Both stay
@@ -113,14 +112,14 @@ def test_cpu_of_transport_threads_is_counted_apart() -> None:
 
     from suite_record import proc_delta, proc_stat
 
-    burnt, done = threading.Barrier(3), threading.Event()
+    burnt, done = threading.Barrier(3, timeout=60), threading.Event()
 
     def burn(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
         while time.thread_time() < 0.3:
             pass
         burnt.wait()
-        done.wait()
+        done.wait(60)
 
     before = proc_stat(os.getpid())
     threads = [threading.Thread(target=burn, args=(name,)) for name in (b"TP_UV_loop", b"worker")]
