@@ -149,7 +149,7 @@ def proc_stat(pid: int) -> list[float] | None:
     stat = _read_stat(f"/proc/{pid}/stat")
     if stat is None:
         return None
-    fields = stat[1]
+    _, fields = stat
     tick = os.sysconf("SC_CLK_TCK")
     return [int(fields[11]) * 1e3 / tick, int(fields[12]) * 1e3 / tick, float(fields[7]),
             _transport_ticks(pid) * 1e3 / tick]
@@ -183,5 +183,6 @@ def proc_delta(before: Sequence[list[float] | None], after: Sequence[list[float]
     two :func:`proc_stat` lists."""
     if not steps or any(b is None or a is None for b, a in zip(before, after)):
         return None
-    rows = [[(a[k] - b[k]) / steps for k in range(4)] for b, a in zip(before, after)]  # type: ignore[index]
-    return {key: [r[k] for r in rows] for k, key in enumerate(("user_ms", "sys_ms", "minor_faults", "transport_ms"))}
+    keys = ("user_ms", "sys_ms", "minor_faults", "transport_ms")  # proc_stat's order
+    rows = [[(a[k] - b[k]) / steps for k in range(len(keys))] for b, a in zip(before, after)]  # type: ignore[index]
+    return {key: [r[k] for r in rows] for k, key in enumerate(keys)}
