@@ -192,7 +192,8 @@ def report(result: dict[str, Any]) -> None:
     for r in result["training"]:
         step, at_mb = r["step"]["median_ms"], r["plain_at_mb"]["median_ms"]
         r["over_plain"], r["over_plain_at_mb"] = step / plain, step / at_mb
-        print(f"{r['checkpoint']:>12} {r['stages']:>6} {r['chunks']:>6} {at_mb:>8.2f} {step:>8.2f} {step / at_mb:>9.2f} "
+        print(f"{r['checkpoint']:>12} {r['stages']:>6} {r['chunks']:>6} {at_mb:>8.2f} {step:>8.2f} "
+              f"{step / at_mb:>9.2f} "
               f"{(step - at_mb) / r['chunks']:>7.2f}")
     print("  plain@mb: the same micro-batches in one process; per mb: (step - plain@mb) / chunks, rrefpipe's own cost")
 

@@ -202,7 +202,8 @@ def orchestrate(args: argparse.Namespace) -> None:
         except Exception as exc:  # a failed scenario is reported, the others still run
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     workload = {k: getattr(args, k) for k in ("batch", "chunks", "width", "layers", "steps", "warmup")}
-    print(f"\n2-stage pipeline, batch {args.batch} in {args.chunks} micro-batches, {args.layers} x Linear({args.width}) "
+    print(f"\n2-stage pipeline, batch {args.batch} in {args.chunks} micro-batches, "
+          f"{args.layers} x Linear({args.width}) "
           f"+ ReLU + Linear({args.width}, 10); driver and each stage on its own host")
     print(table(results, args.batch))
     print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")

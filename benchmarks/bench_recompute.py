@@ -78,7 +78,8 @@ def main() -> None:
                        "checkpointed_over_plain": costs["checkpointed_ms"] / costs["plain_ms"],
                        "textbook_floor": 1 + costs["forward_ms"] / costs["plain_ms"]}
                 rows.append(row)
-                print(f"{name:<12} {m:>3} {len(h):>4} {j:>5} {costs['plain_ms']:>9.2f} {costs['checkpointed_ms']:>8.2f} "
+                print(f"{name:<12} {m:>3} {len(h):>4} {j:>5} "
+                      f"{costs['plain_ms']:>9.2f} {costs['checkpointed_ms']:>8.2f} "
                       f"{row['checkpointed_over_plain']:>10.2f} {row['textbook_floor']:>11.2f}", flush=True)
                 with torch.no_grad():
                     h = stage(h)

@@ -165,7 +165,8 @@ def timing_rows(times: list[float]) -> tuple[str, dict[str, float]]:
              "p99_ms": percentile(ms, 99), "max_ms": ms[-1], "mean_ms": statistics.fmean(ms)}
     rest = sorted(1e3 * t for t in times[1:])
     stats.update({"max_after_first_ms": rest[-1] if rest else ms[-1]})
-    head = f"{'steps':>6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'first ms':>9} {'max after first':>16}"
+    head = (f"{'steps':>6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'first ms':>9} "
+            f"{'max after first':>16}")
     row = (f"{len(times):>6} {stats['p50_ms']:>8.2f} {stats['p90_ms']:>8.2f} {stats['p99_ms']:>8.2f} "
            f"{stats['max_ms']:>8.2f} {stats['first_ms']:>9.2f} {stats['max_after_first_ms']:>16.2f}")
     return head + "\n" + row, stats
@@ -177,7 +178,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="steps before the warm-up RSS sample (default: 10%% of --steps)")
     p.add_argument("--sample-every", type=int, default=100, help="RSS sample interval in steps (default: 100)")
     p.add_argument("--noise", type=float, default=2.0, help="growth in MiB still reported as flat (default: 2)")
-    p.add_argument("--clear-record", type=int, default=0, help="clear the execution record every N steps (default: never)")
+    p.add_argument("--clear-record", type=int, default=0,
+                   help="clear the execution record every N steps (default: never)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
     args = p.parse_args()
     args.warmup = args.warmup or max(1, args.steps // 10)
@@ -195,7 +197,8 @@ def main() -> None:
           f"({'cleared every %d steps' % args.clear_record if args.clear_record else 'never cleared'})")
     print(f"\nRSS (VmRSS) per process: start = after step 1, warm = median of the 3 samples from step {args.warmup}, "
           f"end = median of the last 3 samples (every {args.sample_every} steps);\ngrowth = end - warm; record = "
-          f"execution-record events the worker added after step {args.warmup} x {per_event:.0f} B; rest = growth - record")
+          f"execution-record events the worker added after step {args.warmup} x {per_event:.0f} B; "
+          "rest = growth - record")
     print(mem_table)
     print("\nstep time (forward + loss + backward + optimizer step), all steps")
     print(time_table)

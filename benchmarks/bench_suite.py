@@ -313,13 +313,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def report(result: dict[str, Any], out: Path) -> None:
     """Print every table and the targets, and write the chart next to ``out``."""
     m, st = result["machine"], result["settings"]
-    print(f"\nrrefpipe benchmark suite: {m['platform']}, python {m['python']}, torch {m['torch']}, {m['cpu_count']} CPUs "
+    print(f"\nrrefpipe benchmark suite: {m['platform']}, python {m['python']}, torch {m['torch']}, "
+          f"{m['cpu_count']} CPUs "
           f"({m['cpus_usable']} usable)\nthreads: driver {m['driver_threads']} intra-op; rrefpipe stage workers "
           f"{m['worker_threads']} intra-op, {m.get('worker_interop_threads', '?')} inter-op and "
           f"{m.get('worker_rpc_threads', '?')} RPC thread(s) each; pipelining ranks [intra, inter]: "
           + ", ".join(f"{k[-3:]} {v}" for k, v in m.items() if k.startswith("pipelining_threads"))
           + f"; plain: 1 and 2 intra-op\ntimed step = forward + loss + backward + SGD step; median of {st['repeats']} "
-          f"x {st.get('rounds', 1)} rounds, each after {st['warmup']} warm-up\nload average (1/5/15 min) at start {result['loadavg_start']}, "
+          f"x {st.get('rounds', 1)} rounds, each after {st['warmup']} warm-up\n"
+          f"load average (1/5/15 min) at start {result['loadavg_start']}, "
           f"at end {result['loadavg_end']}")
     print_all(result)
     print_targets(result["targets"])

@@ -67,7 +67,8 @@ def _concurrency(per_stage: dict[int, list[Span]]) -> float | None:
     return sum(union(v)[0] for v in per_stage.values()) / total if total > 0 else None
 
 
-def _handoffs(f: dict[tuple[int, int], Span], b: dict[tuple[int, int], Span], n: int) -> tuple[list[float], list[float]]:
+def _handoffs(f: dict[tuple[int, int], Span], b: dict[tuple[int, int], Span],
+              n: int) -> tuple[list[float], list[float]]:
     fwd = [f[j, i][0] - max(f[j - 1, i][1], f.get((j, i - 1), (0.0, 0.0))[1])
            for (j, i) in f if j >= 1 and (j - 1, i) in f]
     bwd = [b[j, i][0] - b[j + 1, i][1] for (j, i) in b if j < n - 1 and (j + 1, i) in b]

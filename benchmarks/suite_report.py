@@ -58,10 +58,12 @@ def print_records(sec: dict[str, Any], mode: str) -> None:
         if not rec:
             continue
         print(f"  {r['chunks']:>3} {_f(rec['lead_ms'], '.1f'):>5} {_f(rec['fwd_tail_ms'], '.1f'):>7} "
-              f"{_f(rec.get('bwd_lead_ms'), '.1f'):>7} {_f(rec.get('bwd_tail_ms'), '.1f'):>7} {_f(rec['opt_ms'], '.1f'):>5} "
-              f"{_f(rec['fwd_handoff_ms'], '.1f'):>6} {_f(rec['bwd_handoff_ms'], '.1f'):>6} "
-              f"{rec['fwd_gap_ms'][0]:>5.1f} {_f(rec['fwd_concurrency'], '.2f'):>6} {_f(rec['bwd_concurrency'], '.2f'):>6} "
-              f"{_join(rec['busy'], '.2f'):>15} {_join(rec['max_gap_ms'], '.0f'):>11} {_join(rec['bwd_overlap'], 'g'):>6} "
+              f"{_f(rec.get('bwd_lead_ms'), '.1f'):>7} {_f(rec.get('bwd_tail_ms'), '.1f'):>7} "
+              f"{_f(rec['opt_ms'], '.1f'):>5} {_f(rec['fwd_handoff_ms'], '.1f'):>6} "
+              f"{_f(rec['bwd_handoff_ms'], '.1f'):>6} "
+              f"{rec['fwd_gap_ms'][0]:>5.1f} {_f(rec['fwd_concurrency'], '.2f'):>6} "
+              f"{_f(rec['bwd_concurrency'], '.2f'):>6} {_join(rec['busy'], '.2f'):>15} "
+              f"{_join(rec['max_gap_ms'], '.0f'):>11} {_join(rec['bwd_overlap'], 'g'):>6} "
               f"{_join(rec.get('fwd_inflation', []), '.2f'):>11} {_join(rec.get('bwd_inflation', []), '.2f'):>11}")
 
 
@@ -99,7 +101,8 @@ def print_cpu(sec: dict[str, Any]) -> None:
 
 def print_memory(result: dict[str, Any]) -> None:
     print("\nMemory kept for backward per stage (rrefpipe.memory, one step) and recomputation cost")
-    print(f"  {'model':<12} {'n':>2} {'m':>3} {'mode':<12} {'peak MiB per stage':<26} {'/never':<17} {'/stage input':<17}")
+    print(f"  {'model':<12} {'n':>2} {'m':>3} {'mode':<12} {'peak MiB per stage':<26} "
+          f"{'/never':<17} {'/stage input':<17}")
     for sec in sections(result):
         mem = sec.get("memory")
         if not mem:
@@ -122,8 +125,9 @@ def print_scaling(sc: dict[str, Any]) -> None:
           f"checkpoint '{sc['checkpoint']}'")
     print(f"  {'m':>4} {'step ms':>8} {'p10-p90':>13} {'samples/s':>9} {'ideal@mb':>8} {'overhead':>8} {'ovh/m':>6}")
     for r in sc["rows"]:
-        print(f"  {r['chunks']:>4} {r['step_ms']:>8.1f} {r['p10_ms']:>6.0f}-{r['p90_ms']:<6.0f} {r['samples_per_s']:>9.0f} "
-              f"{r['ideal_mb_ms']:>8.1f} {r['overhead_ms']:>8.1f} {r['overhead_ms'] / r['chunks']:>6.2f}")
+        print(f"  {r['chunks']:>4} {r['step_ms']:>8.1f} {r['p10_ms']:>6.0f}-{r['p90_ms']:<6.0f} "
+              f"{r['samples_per_s']:>9.0f} {r['ideal_mb_ms']:>8.1f} {r['overhead_ms']:>8.1f} "
+              f"{r['overhead_ms'] / r['chunks']:>6.2f}")
     names = {"fit_all": "step time, all m", "fit_m_ge_8": "step time, m >= 8", "fit_overhead": "overhead, all m"}
     for key, label in names.items():
         if key in sc:
@@ -131,8 +135,9 @@ def print_scaling(sc: dict[str, Any]) -> None:
             print(f"  linear fit ({label}): {f['intercept']:.1f} ms + {f['slope']:.3f} ms x m, R² {f['r2']:.3f}")
     if "worst_marginal" in sc:
         w = sc["worst_marginal"]
-        print(f"  costliest step between neighbouring m >= 8: up to m={w['chunks']}, {w['ms_per_microbatch']:.2f} ms per "
-              f"added micro-batch = {w['ratio']:.2f} x the fitted slope (a cliff: above {sc['cliff_threshold']:.2f} x)")
+        print(f"  costliest step between neighbouring m >= 8: up to m={w['chunks']}, "
+              f"{w['ms_per_microbatch']:.2f} ms per added micro-batch = {w['ratio']:.2f} x the fitted slope "
+              f"(a cliff: above {sc['cliff_threshold']:.2f} x)")
 
 
 def print_all(result: dict[str, Any]) -> None:

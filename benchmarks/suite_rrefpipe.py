@@ -73,7 +73,8 @@ def time_pipe(names: Sequence[str], model: nn.Sequential, balance: Sequence[int]
             last = max(e.step for e in events)
             write_timeline([e for e in events if e.step == last], timeline)
     step = summary([s["elapsed"] for s in steps])
-    return {"chunks": chunks, "checkpoint": checkpoint, "step": step, "samples_per_s": len(x) / (step["median_ms"] / 1e3),
+    return {"chunks": chunks, "checkpoint": checkpoint, "step": step,
+            "samples_per_s": len(x) / (step["median_ms"] / 1e3),
             "record_ms": busy_ms(events), "steps_total_ms": ms(sum(s["elapsed"] for s in steps)),
             "record": analyse_steps(events, steps, len(balance)), "timeline": timeline, "cpu": cpu}
 

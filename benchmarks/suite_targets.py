@@ -119,8 +119,9 @@ def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:
         for r in sec["rows"]:
             row = r["contestants"].get(mode)
             if r["chunks"] >= 8 and row and "error" not in row:
-                vals.append((row["achieved_over_ideal_mb"], row["achieved_over_ideal"], f"{sec['stages']}st m={r['chunks']}",
-                             core_bound(sec, r["chunks"], mode, cores), contended_bubble(sec, r["chunks"], mode)))
+                vals.append((row["achieved_over_ideal_mb"], row["achieved_over_ideal"],
+                             f"{sec['stages']}st m={r['chunks']}", core_bound(sec, r["chunks"], mode, cores),
+                             contended_bubble(sec, r["chunks"], mode)))
     name = f"rrefpipe '{mode}' >= 0.9 x ideal@mb at m >= 8, MLP"
     if not vals:
         return _target(name, None, "no MLP rows with m >= 8")
@@ -130,8 +131,8 @@ def vs_ideal_mlp(result: dict[str, Any], mode: str) -> Target:
 
     contended = (f"; contended bubble model: {listed(4)}" if any(v[4] is not None for v in vals) else "")
     return _target(name, all(v[0] >= 0.9 for v in vals),
-                   ", ".join(f"{v[2]}: {v[0]:.2f}" for v in vals) + f" (vs the full-batch ideal: {listed(1)}; core bound"
-                   f" on {cores} cores: {listed(3)}{contended})")
+                   ", ".join(f"{v[2]}: {v[0]:.2f}" for v in vals)
+                   + f" (vs the full-batch ideal: {listed(1)}; core bound on {cores} cores: {listed(3)}{contended})")
 
 
 def hop_overhead(result: dict[str, Any]) -> Target:
@@ -209,7 +210,8 @@ def linear_scaling(result: dict[str, Any], r2: float = 0.95) -> Target:
     sc = result.get("scaling")
     name = f"step time linear in m (R² >= {r2} for m >= 8), no cliff up to 256"
     if not sc or "fit_m_ge_8" not in sc or "worst_marginal" not in sc:
-        return _target(name, None, "scaling not measured (needs 3+ m >= 8; runs before this version lack the cliff check)")
+        return _target(name, None,
+                       "scaling not measured (needs 3+ m >= 8; runs before this version lack the cliff check)")
     fit, worst = sc["fit_m_ge_8"], sc["worst_marginal"]
     met: bool | None = fit["r2"] >= r2 and worst["ratio"] <= sc["cliff_threshold"]
     if met and sc["rows"][-1]["chunks"] < 256:
@@ -217,11 +219,12 @@ def linear_scaling(result: dict[str, Any], r2: float = 0.95) -> Target:
     all_fit = sc.get("fit_all", {})
     return _target(f"{name} (no step between points > {sc['cliff_threshold']} x the fitted cost per micro-batch)", met,
                    f"{sc.get('micro_batch', '?')} samples per micro-batch: slope {fit['slope']:.2f} ms/micro-batch, "
-                   f"R² {fit['r2']:.3f} (all m: R² {all_fit.get('r2', 0):.3f}); costliest step up to m={worst['chunks']}:"
-                   f" {worst['ms_per_microbatch']:.2f} ms/micro-batch = {worst['ratio']:.2f} x slope; largest m "
+                   f"R² {fit['r2']:.3f} (all m: R² {all_fit.get('r2', 0):.3f}); "
+                   f"costliest step up to m={worst['chunks']}: {worst['ms_per_microbatch']:.2f} ms/micro-batch = "
+                   f"{worst['ratio']:.2f} x slope; largest m "
                    f"{sc['rows'][-1]['chunks']}"
-                   + (f"; step - ideal@mb: {sc['fit_overhead']['intercept']:.0f} ms + {sc['fit_overhead']['slope']:.2f} ms"
-                      f" x m" if "fit_overhead" in sc else ""))
+                   + (f"; step - ideal@mb: {sc['fit_overhead']['intercept']:.0f} ms + "
+                      f"{sc['fit_overhead']['slope']:.2f} ms x m" if "fit_overhead" in sc else ""))
 
 
 def evaluate(result: dict[str, Any]) -> list[Target]:

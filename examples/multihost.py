@@ -77,7 +77,8 @@ def main() -> None:
 
         plain_loss = train_plain(plain, batches, args.lr)
         drift = max((state[k].cpu() - v).abs().max().item() for k, v in plain.state_dict().items())
-        print(f"pipeline: {args.steps} steps in {elapsed:.2f}s, {args.steps * args.batch_size / elapsed:.1f} samples/s, "
+        print(f"pipeline: {args.steps} steps in {elapsed:.2f}s, "
+              f"{args.steps * args.batch_size / elapsed:.1f} samples/s, "
               f"final loss {loss:.4f}")
         print(f"plain PyTorch, same seed: final loss {plain_loss:.4f} "
               f"(difference {abs(plain_loss - loss):.2e}, largest parameter difference {drift:.2e})")

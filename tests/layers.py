@@ -410,7 +410,8 @@ class _AwaitRecomputes(torch.autograd.Function):
         while len(list(Path(layer.folder).iterdir())) < wanted:  # waits on a condition, with a deadline
             if time.monotonic() > deadline:
                 raise TimeoutError(f"backward call {layer.calls} waited {layer.timeout} s for {wanted} "
-                                   f"recomputations on an earlier stage; {len(list(Path(layer.folder).iterdir()))} came")
+                                   f"recomputations on an earlier stage; "
+                                   f"{len(list(Path(layer.folder).iterdir()))} came")
             time.sleep(0.005)
         return grad, None
 

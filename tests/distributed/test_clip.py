@@ -61,7 +61,8 @@ def test_nonfinite_norms_and_bad_arguments_are_refused(cluster):
     with Pipe(model, chunks=2, balance=[3, 4], workers=cluster.names[:2]) as pipe:
         with dist_autograd.context() as ctx:
             pipe.backward(ctx, pipe(x).local_value().sum() * math.inf)
-            with pytest.raises(RuntimeError, match="total norm of order 2.0 .* is (inf|nan), so they cannot be clipped"):
+            with pytest.raises(RuntimeError,
+                               match="total norm of order 2.0 .* is (inf|nan), so they cannot be clipped"):
                 pipe.clip_grad_norm_(ctx, 1.0, error_if_nonfinite=True)
             with pytest.raises(ValueError, match="max_norm must be >= 0"):
                 pipe.clip_grad_norm_(ctx, -1.0)
@@ -73,7 +74,8 @@ def test_nonfinite_norms_and_bad_arguments_are_refused(cluster):
             pipe.clip_grad_norm_(ctx, 1.0)  # the context is gone
 
 
-@pytest.mark.parametrize("case", ["stage without parameters", "frozen stage", "float64", "nan", "torch's argument forms"])
+@pytest.mark.parametrize("case", ["stage without parameters", "frozen stage", "float64", "nan",
+                                  "torch's argument forms"])
 def test_clip_follows_torch_in_the_corners(cluster, case):
     """A stage with no gradients to scale, float64 gradients, a nan norm (torch scales by nan), and
     max_norm as a tensor with norm_type 'inf' as a string: all as torch.nn.utils.clip_grad_norm_."""

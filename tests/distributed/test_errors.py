@@ -21,7 +21,8 @@ def test_stage_exception_names_stage_worker_microbatch_and_cause(cluster, per_me
         x = torch.zeros(8, 4)
         bad = x.clone()
         bad[4:6] = SENTINEL  # micro-batch 2; an identity first layer passes the sentinel on to Boom
-        state = {"0.weight": torch.eye(4), "0.bias": torch.zeros(4), "3.weight": torch.ones(2, 4), "3.bias": torch.zeros(2)}
+        state = {"0.weight": torch.eye(4), "0.bias": torch.zeros(4),
+                 "3.weight": torch.ones(2, 4), "3.bias": torch.zeros(2)}
         pipe.load_state_dict(state)
         model.load_state_dict(state)
         with dist_autograd.context():

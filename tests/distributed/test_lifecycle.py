@@ -51,7 +51,8 @@ def test_local_workers_environment_defaults(cluster):
     import os
 
     defaults = {"OMP_NUM_THREADS": str(cluster.threads), "MKL_NUM_THREADS": str(cluster.threads),
-                "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+                "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
     expected = {key: os.environ.get(key, value) for key, value in defaults.items()}  # the user's setting wins
     for name in cluster.names:
         assert rpc.rpc_sync(name, environment, args=(list(expected),)) == expected

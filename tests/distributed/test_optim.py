@@ -149,7 +149,8 @@ def test_what_cannot_be_scheduled_or_restored_is_refused(cluster):
             RemoteLRScheduler(opt, ReduceLROnPlateau)
         with pytest.raises(TypeError, match="ReduceLROnPlateau"):
             RemoteLRScheduler(opt, lambda o: ReduceLROnPlateau(o, patience=2))
-        with pytest.raises(ValueError, match=r"state 0 does not fit the optimizer on worker 'worker1': .*shapes \[\[4, 8\]"):
+        with pytest.raises(ValueError,
+                           match=r"state 0 does not fit the optimizer on worker 'worker1': .*shapes \[\[4, 8\]"):
             load_optimizer_state_dict(opt, optimizer_state_dict(opt)[::-1])  # stage 1's state into stage 0
         with pytest.raises(ValueError, match="a list of 2 optimizer states, .* got a list of 1"):
             load_optimizer_state_dict(opt, optimizer_state_dict(opt)[:1])

@@ -87,7 +87,8 @@ def main() -> None:
             "rank": int(os.environ["RANK"]), "workers": stage_workers, "stages": stages, "steps": args.steps,
             "seconds": time.monotonic() - start,
             # float32 bytes per step: the input (driver -> stage 0) and each stage's output (-> the next hop)
-            "input_bytes": b * f * 4, "activation_bytes": [b * h * 4] * (len(stage_workers) - 1), "output_bytes": b * c * 4,
+            "input_bytes": b * f * 4, "activation_bytes": [b * h * 4] * (len(stage_workers) - 1),
+            "output_bytes": b * c * 4,
         }
         print("RESULT " + json.dumps(result), flush=True)
 

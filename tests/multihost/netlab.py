@@ -73,7 +73,8 @@ def unavailable() -> str | None:
     probe = f"{PREFIX}{os.getpid()}probe"
     try:
         sh("ip", "netns", "add", probe)
-        sh("ip", "link", "add", "name", "probe0", "netns", probe, "type", "veth", "peer", "name", "probe1", "netns", probe)
+        sh("ip", "link", "add", "name", "probe0", "netns", probe,
+           "type", "veth", "peer", "name", "probe1", "netns", probe)
         sh("ip", "netns", "exec", probe, "unshare", "--pid", "--fork", "--kill-child", "true")
     except (LabError, OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot make test hosts here: {exc}"
