@@ -11,6 +11,7 @@ import re
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -43,6 +44,17 @@ class _Collector:
 
 
 _collectors: dict[tuple[str, int], _Collector] = {}
+
+
+@dataclass
+class _Forwards:
+    """A pipe's forwards in one autograd context, for its backward there: their steps (a stage's
+    recorded failure is looked up by step), the autograd nodes of each output that came here, and how
+    many outputs stayed on the last worker."""
+
+    steps: list[int] = field(default_factory=list)
+    outputs: list[list[Any]] = field(default_factory=list)
+    remote: int = 0
 _pipe_ids = itertools.count()
 
 
@@ -87,9 +99,9 @@ class RemoteDriver:
         self._closed = False
         self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
         self._backward_contexts: deque[int] = deque(maxlen=64)  # contexts this pipe ran a backward in
-        # Per context, the autograd nodes of each forward's outputs: a forward left out of the loss
-        # would keep backward waiting for its sends until the RPC timeout.
-        self._context_outputs: OrderedDict[int, list[list[Any]]] = OrderedDict()
+        # Per context, its forwards: one left out of the loss would keep backward waiting for its sends
+        # until the RPC timeout.
+        self._contexts: OrderedDict[int, _Forwards] = OrderedDict()
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -228,28 +240,34 @@ class RemoteDriver:
                 raise
             finally:
                 del _collectors[(self.pipe_id, step)]
+        forwards = self._forwards(_rpc.current_context_id()) if grad_enabled else None
+        if forwards is not None:
+            forwards.steps.append(step)
         if self.remote_output:
             last = len(self.infos) - 1
+            if forwards is not None:
+                forwards.remote += 1
             return rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
                               timeout=self.rpc_timeout)
         if collector.output is None:
             raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
-        if grad_enabled:
-            self._remember_outputs(collector.output)
+        if forwards is not None:
+            forwards.outputs.append([t.grad_fn for t in microbatch.as_tensors(collector.output) if t.grad_fn])
+            _refuse_local_backward(collector.output)
         return rpc.RRef(collector.output)
 
-    def _remember_outputs(self, output: TensorOrTensors) -> None:
-        nodes = [t.grad_fn for t in microbatch.as_tensors(output) if t.grad_fn is not None]
-        context_id = _rpc.current_context_id()
-        if nodes and context_id is not None:
-            self._context_outputs.setdefault(context_id, []).append(nodes)
-            self._context_outputs.move_to_end(context_id)
-            while len(self._context_outputs) > 64:
-                self._context_outputs.popitem(last=False)
+    def _forwards(self, context_id: int | None) -> _Forwards | None:
+        """The record of this pipe's forwards in autograd context ``context_id`` (the latest 64 kept)."""
+        if context_id is None:
+            return None
+        forwards = self._contexts.setdefault(context_id, _Forwards())
+        self._contexts.move_to_end(context_id)
+        while len(self._contexts) > 64:
+            self._contexts.popitem(last=False)
+        return forwards
 
-    def _check_outputs_in_loss(self, context_id: int, losses: list[Tensor]) -> None:
+    def _check_outputs_in_loss(self, context_id: int, forwards: list[list[Any]], losses: list[Tensor]) -> None:
         """Refuse at once a backward whose losses leave out a forward of this context."""
-        forwards = self._context_outputs.pop(context_id, [])
         if not forwards:
             return
         reached: set[Any] = set()
@@ -278,19 +296,22 @@ class RemoteDriver:
                                "autograd takes one backward per context (a second waits for the first one's sends "
                                "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
                                "accumulate gradients, sum the losses of several forwards into one backward")
-        self._check_outputs_in_loss(context_id, losses)
+        forwards = self._contexts.pop(context_id, None) or _Forwards()
+        self._check_outputs_in_loss(context_id, forwards.outputs, losses)
         self._backward_contexts.append(context_id)
         try:
             dist_autograd.backward(context_id, losses)
         except RuntimeError as exc:
-            raise self._explain(exc, "backward") from exc
+            raise self._explain(exc, "backward", forwards) from exc
 
-    def _explain(self, exc: BaseException, phase: str) -> BaseException:
+    def _explain(self, exc: BaseException, phase: str, forwards: _Forwards | None = None) -> BaseException:
         """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
         StageError naming the stage.
 
         A transport error names the node that *saw* a peer vanish (the stage sending a gradient to a
-        dead worker), so the stage workers are probed first and a dead one is named instead."""
+        dead worker), so the stage workers are probed first and a dead one is named instead.
+        ``forwards``: this pipe's forwards in the failed backward's context."""
+        forwards = forwards or _Forwards()
         text = str(exc)
         matches = list(_NODE.finditer(text))
         names = _rpc.worker_names()
@@ -303,12 +324,20 @@ class RemoteDriver:
                 hung = self._longest_backward(message)
                 if hung is not None:
                     return hung
+                if forwards.remote:
+                    return RuntimeError(
+                        f"{text}\n(no stage is hung or unreachable, and {len(forwards.steps)} forward(s) of this pipe "
+                        f"ran in this context with their outputs left on the last worker (remote_output=True): "
+                        "distributed autograd waits until the RPC timeout for the gradient of every forward in "
+                        "the context, so each one's fetched output must be part of the loss. Run forwards you "
+                        "do not backpropagate under torch.no_grad() or outside the context)")
         for match in reversed(matches):
             node = int(match.group(1))
             if node < len(names) and names[node] in self.workers:
                 j = self.workers.index(names[node])
                 try:
-                    recorded = rpc.rpc_sync(names[node], server.backward_failure, args=(self.pipe_id, j), timeout=5)
+                    recorded = rpc.rpc_sync(names[node], server.backward_failure,
+                                            args=(self.pipe_id, j, forwards.steps), timeout=5)
                 except Exception:
                     recorded = None
                 if recorded is not None:
@@ -389,6 +418,28 @@ class RemoteDriver:
 _NODE = re.compile(r"Error on Node (\d+): ")
 _STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>\d+))? failed in (?P<phase>\w+): "
                             r"(?P<type>\w+): (?P<message>.*)", re.DOTALL)
+
+
+def _refuse_local_backward(output: TensorOrTensors) -> None:
+    """Make a plain ``loss.backward()`` through ``output`` fail with a message that says what to call.
+
+    The output came from the stage workers, so only distributed autograd can carry its gradient back;
+    the local engine fails inside torch ("graphTask_ INTERNAL ASSERT FAILED"). Distributed autograd
+    runs the driver's part of the graph on threads of its own, the local engine (for CPU tensors, as
+    the driver's outputs are) on the caller's: a hook that finds itself on the forward's thread is
+    in a local backward."""
+    caller = threading.get_ident()
+
+    def check(grad: Tensor) -> None:
+        if threading.get_ident() == caller:
+            raise RuntimeError("this pipe's output was computed on its stage workers, and a local backward "
+                               "(loss.backward(), torch.autograd.grad) cannot reach them: run "
+                               "pipe.backward(ctx, loss) or dist_autograd.backward(ctx, [loss]) inside the "
+                               "dist_autograd.context() of the forward")
+
+    for t in microbatch.as_tensors(output):
+        if t.requires_grad:
+            t.register_hook(check)
 
 
 def _pickled(spec: StageSpec, workers: Sequence[str]) -> bytes:

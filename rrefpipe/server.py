@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -557,10 +557,9 @@ def events(pipe_id: str, index: int, clear: bool) -> list[Event]:
     return _server(pipe_id, index).stage.recorder.snapshot(clear)
 
 
-def backward_failure(pipe_id: str, index: int) -> Failure | None:
-    """The latest failure this stage recorded while backward ran on it (then forgotten)."""
-    failures = _server(pipe_id, index).stage.backward_failures
-    return failures.pop() if failures else None
+def backward_failure(pipe_id: str, index: int, steps: Collection[int]) -> Failure | None:
+    """The latest failure this stage recorded in the backward of one of ``steps`` (those are then forgotten)."""
+    return _server(pipe_id, index).stage.take_backward_failure(steps)
 
 
 def backward_running(pipe_id: str, index: int) -> float | None:

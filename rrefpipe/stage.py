@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -100,7 +100,8 @@ class Stage:
         self._skippable = any(True for _ in skippable_layers(self.module))  # else no skip tracker is needed
         self._copy_input = overwrites_input(self.module)  # checkpointing recomputes from the input
         self._backward_starts: dict[tuple[int, int], float] = {}
-        self.backward_failures: deque[Failure] = deque(maxlen=16)
+        self._backward_failures: deque[tuple[int, Failure]] = deque(maxlen=16)  # (step, failure)
+        self._failures_lock = threading.Lock()  # recorded on autograd's threads, taken on the RPC thread
         # Not on a GPU yet: there a recomputation ahead would queue on the stage's stream while sends
         # record their events on it, and the next stage could wait for it (never measured: no GPU).
         self._ahead = _RecomputeAhead() if recompute_ahead and self.device.type == "cpu" else None
@@ -165,18 +166,29 @@ class Stage:
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
                       value: TensorOrTensors) -> TensorOrTensors:
-        recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, i))
+        recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, meta.step, i))
         out = recomputable.run(value)
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)
         return out
 
-    def _recompute_failed(self, i: int, exc: BaseException) -> None:
+    def _recompute_failed(self, step: int, i: int, exc: BaseException) -> None:
         """Keep the whole story of a failed recomputation for the driver to ask: it fails inside
         backward, where distributed autograd keeps at most the text (from a saved-tensor hook, only
         "python_error")."""
-        self.backward_failures.append(
-            Failure.capture(exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute"))
+        failure = Failure.capture(exc, stage=self.index, worker=self.worker, microbatch=i, phase="recompute")
+        with self._failures_lock:
+            self._backward_failures.append((step, failure))
+
+    def take_backward_failure(self, steps: Collection[int]) -> Failure | None:
+        """The latest failure recorded in the backward of one of ``steps``; those of ``steps`` are
+        forgotten, so a later step's error is never blamed on them."""
+        with self._failures_lock:
+            mine = [f for s, f in self._backward_failures if s in steps]
+            others = [(s, f) for s, f in self._backward_failures if s not in steps]
+            self._backward_failures.clear()
+            self._backward_failures.extend(others)
+        return mine[-1] if mine else None
 
     def recompute_soon(self, step: int, i: int) -> None:
         """Recompute checkpointed micro-batch ``i`` ahead of its backward, if this stage does that: the

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
+from tests.distributed.probes import check_transparent
 from tests.layers import Parent, mlp, twin
 from tests.training import blobs, train_side_by_side
 
@@ -76,6 +77,21 @@ def test_old_style_optimizer_second_backward_and_unused_forward_are_refused_at_o
     plain_opt.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(updated[key], value)
+
+
+def test_a_local_backward_of_the_output_says_what_to_call(cluster):
+    """``loss.backward()``, what PyTorch's Pipe took, cannot reach the stage workers: it fails at once,
+    naming distributed autograd's calls (torch's own error was an internal assert), and the pipe then
+    trains as the plain model does."""
+    model = mlp([10, 16, 4], seed=3)
+    reference = twin(model)
+    (x, y), = blobs(1, 12, seed=5)
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context():
+            loss = F.cross_entropy(pipe(x).local_value(), y)
+            with pytest.raises(RuntimeError, match=r"run pipe.backward\(ctx, loss\) or dist_autograd.backward"):
+                loss.backward()
+        check_transparent(pipe, reference, x.clone().requires_grad_())
 
 
 def test_state_dict_round_trip_and_train_eval_reach_workers(cluster):
