@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -195,42 +196,62 @@ class Pipe(nn.Module):
         self.remote_output = remote_output
         self.rpc_timeout = float(rpc_timeout)
         self._local_workers: Any = None
+        self._finalizer: weakref.finalize | None = None
 
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
         n = len(specs)
-        launch = _worker_module("launch")
-
-        if workers is None and (launch.embedded_running() or not _rpc.is_initialized()):
-            _check_local_devices(devices)
-            cuda = any(d.type == "cuda" for d in devices)
-            local = launch.acquire_embedded(n, devices=[str(d) for d in devices] if cuda else None,
-                                            rpc_timeout=self.rpc_timeout)
-            self._local_workers, workers = local, local.names[:n]
-        elif not _rpc.is_initialized():
-            raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
-                             "(or launch with torchrun) first, or leave workers out to start local ones")
-        else:
-            known = [w for w in _rpc.worker_names() if w != _rpc.self_name()]
-            if workers is None:
-                if len(known) < n:
-                    raise ValueError(f"{n} stages need {n} workers, but the RPC group has {len(known)} besides this "
-                                     f"process: {known}")
-                workers = known[:n]
-            unknown = [w for w in workers if w not in known]
-            if unknown:
-                raise ValueError(f"unknown worker names {unknown}; the RPC group has {known}")
+        held = _close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
+        try:
+            workers = self._stage_workers(n, workers, devices, held)
+        finally:
+            _release(held)
         if len(workers) != n:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
         for spec in specs:
             spec.next_worker = workers[spec.index + 1] if spec.index + 1 < n else None
         try:
-            return RemoteDriver(specs, workers, chunks=self.chunks, checkpoint=self.checkpoint,
-                                remote_output=self.remote_output, rpc_timeout=self.rpc_timeout,
-                                microbatches_per_message=self.microbatches_per_message)
+            driver = RemoteDriver(specs, workers, chunks=self.chunks, checkpoint=self.checkpoint,
+                                  remote_output=self.remote_output, rpc_timeout=self.rpc_timeout,
+                                  microbatches_per_message=self.microbatches_per_message)
         except BaseException:
             self._stop_local_workers()
             raise
+        self._finalizer = weakref.finalize(self, _abandoned.append, (driver, self._local_workers))
+        self._finalizer.atexit = False  # at exit the workers rrefpipe started are stopped anyway
+        return driver
+
+    def _stage_workers(self, n: int, workers: Sequence[str] | None, devices: Sequence[torch.device],
+                       held: list[Any]) -> Sequence[str]:
+        """The workers of ``n`` stages: those named, else the RPC group's others, else embedded local ones
+        (shared with other pipes; ``held`` are dropped pipes' holds on them, given up if they do not fit)."""
+        launch = _worker_module("launch")
+        if workers is None and (launch.embedded_running() or not _rpc.is_initialized()):
+            _check_local_devices(devices)
+            cuda = any(d.type == "cuda" for d in devices)
+            wanted = {"devices": [str(d) for d in devices] if cuda else None, "rpc_timeout": self.rpc_timeout}
+            try:
+                self._local_workers = launch.acquire_embedded(n, **wanted)
+            except ValueError:
+                if not held:
+                    raise
+                _release(held)  # only dropped pipes held workers that do not fit this one: start afresh
+                self._local_workers = launch.acquire_embedded(n, **wanted)
+            names: list[str] = self._local_workers.names[:n]
+            return names
+        if not _rpc.is_initialized():
+            raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
+                             "(or launch with torchrun) first, or leave workers out to start local ones")
+        known = [w for w in _rpc.worker_names() if w != _rpc.self_name()]
+        if workers is None:
+            if len(known) < n:
+                raise ValueError(f"{n} stages need {n} workers, but the RPC group has {len(known)} besides this "
+                                 f"process: {known}")
+            return known[:n]
+        unknown = [w for w in workers if w not in known]
+        if unknown:
+            raise ValueError(f"unknown worker names {unknown}; the RPC group has {known}")
+        return workers
 
     # -- running -----------------------------------------------------------------------------------
     def forward(self, input: TensorOrTensors, *more_inputs: Any) -> rpc.RRef:  # noqa: A002 (the documented name)
@@ -252,6 +273,8 @@ class Pipe(nn.Module):
             raise TypeError(f"Pipe takes one input, a tensor or a tuple of tensors, and got {1 + len(more_inputs)}: "
                             "PyTorch 2.x's forward(*inputs) is not carried over; pass one tuple, pipe((a, b)), which "
                             "reaches the first layer as one argument (PyTorch 1.8's form)")
+        if _abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
+            _release(_close_abandoned())
         return self._driver.forward(input, training=self.training)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
@@ -390,11 +413,17 @@ class Pipe(nn.Module):
 
     # -- life cycle ----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop the stages from their workers; stop the workers rrefpipe started itself."""
+        """Drop the stages from their workers; stop the workers rrefpipe started itself.
+
+        A pipe garbage-collected without ``close()`` is closed by the next forward, pipe built or
+        ``close()`` in this process."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
         driver = getattr(self, "_driver", None)
         if isinstance(driver, RemoteDriver):
             driver.close()
         self._stop_local_workers()
+        _release(_close_abandoned())
 
     def _stop_local_workers(self) -> None:
         if self._local_workers is not None:
@@ -506,3 +535,29 @@ def _spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
           devices: Sequence[torch.device], seed: int) -> StageSpec:
     return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
                      next_worker=None, stage_devices=[str(d) for d in devices], seed=stage_seed(seed, j))
+
+
+#: Pipes garbage-collected without ``close()``: their driver and embedded workers (or None). The
+#: finalizer runs inside garbage collection, on whichever thread set it off, possibly one holding a lock
+#: that an RPC needs; so it only queues them here, and the next forward, pipe built or close() closes them.
+_abandoned: list[tuple[RemoteDriver, Any]] = []
+
+
+def _close_abandoned() -> list[Any]:
+    """Drop the stages of pipes collected without ``close()``; returns the embedded workers they held,
+    for :func:`_release`."""
+    held: list[Any] = []
+    while True:
+        try:
+            driver, local_workers = _abandoned.pop()
+        except IndexError:  # empty (another thread may have taken the last one)
+            return held
+        driver.close()
+        if local_workers is not None:
+            held.append(local_workers)
+
+
+def _release(held: list[Any]) -> None:
+    """Give up holds on the embedded workers (the last one out stops them)."""
+    while held:
+        _worker_module("launch").release_embedded(held.pop())

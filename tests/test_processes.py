@@ -64,6 +64,36 @@ def test_embedded_workers_start_stop_and_restart_in_one_process():
     wait_gone([int(p) for p in _values(out.stdout, "pids")[0].split()], within=5)
 
 
+def test_a_pipe_dropped_without_close_is_closed_by_the_next_one():
+    """A notebook that rebinds ``pipe = Pipe(...)`` without closing: the dropped pipe's stages leave the
+    workers at the new pipe's first forward, the new pipe keeps the same local workers, and closing the
+    last pipe stops them, as if every pipe had been closed."""
+    out = run_script("""
+        import gc, torch, torch.distributed.rpc as rpc, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from rrefpipe import Pipe
+        from tests.conftest import pid_alive
+        from tests.distributed.probes import counts
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        first = None
+        for k in range(3):
+            pipe = Pipe(model, chunks=2, balance=[2, 1])  # the previous one is dropped here
+            first = first or pipe._local_workers.pids
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+            stages = [rpc.rpc_sync(w, counts)["stages"] for w in ("worker1", "worker2")]
+            print(f"round{k}=" + ",".join(map(str, stages)) + f",{pipe._local_workers.pids == first}")
+        pids = pipe._local_workers.pids
+        del pipe
+        gc.collect()
+        Pipe(model, chunks=2, balance=[2, 1]).close()  # builds (closing the dropped one), then closes
+        print("gone=" + str(not any(pid_alive(p) for p in pids)))
+    """)
+    # every round: one stage on each worker (the dropped pipe's are gone), on the same workers
+    assert [_values(out.stdout, f"round{k}") for k in range(3)] == [["1,1,True"]] * 3
+    assert _values(out.stdout, "gone") == ["True"]
+
+
 def test_importing_rrefpipe_and_the_worker_leaves_torchs_optimizers_alone():
     """Every local worker imports rrefpipe at start-up: torch.distributed.optim pulls in FSDP, DTensor
     and sympy (0.7 s a process here; Pipe() started in 1.8 s, now 1.1 s), which only a user who builds
