@@ -44,6 +44,7 @@ class _Collector:
 
 
 _collectors: dict[tuple[str, int], _Collector] = {}
+_pipe_ids = itertools.count()
 
 
 @dataclass
@@ -55,7 +56,6 @@ class _Forwards:
     steps: list[int] = field(default_factory=list)
     outputs: list[list[Any]] = field(default_factory=list)
     remote: int = 0
-_pipe_ids = itertools.count()
 
 
 def deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
@@ -251,8 +251,9 @@ class RemoteDriver:
                               timeout=self.rpc_timeout)
         if collector.output is None:
             raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
-        if forwards is not None:
-            forwards.outputs.append([t.grad_fn for t in microbatch.as_tensors(collector.output) if t.grad_fn])
+        nodes = [t.grad_fn for t in microbatch.as_tensors(collector.output) if t.grad_fn is not None]
+        if forwards is not None and nodes:
+            forwards.outputs.append(nodes)
             _refuse_local_backward(collector.output)
         return rpc.RRef(collector.output)
 
@@ -266,9 +267,10 @@ class RemoteDriver:
             self._contexts.popitem(last=False)
         return forwards
 
-    def _check_outputs_in_loss(self, context_id: int, forwards: list[list[Any]], losses: list[Tensor]) -> None:
-        """Refuse at once a backward whose losses leave out a forward of this context."""
-        if not forwards:
+    def _check_outputs_in_loss(self, context_id: int, outputs: list[list[Any]], losses: list[Tensor]) -> None:
+        """Refuse at once a backward whose losses leave out a forward of this context (``outputs``: each
+        forward's output nodes)."""
+        if not outputs:
             return
         reached: set[Any] = set()
         todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
@@ -277,10 +279,10 @@ class RemoteDriver:
             if node is not None and node not in reached:
                 reached.add(node)
                 todo.extend(next_node for next_node, _ in node.next_functions)
-        unused = [k for k, nodes in enumerate(forwards) if not any(node in reached for node in nodes)]
+        unused = [k for k, nodes in enumerate(outputs) if not any(node in reached for node in nodes)]
         if unused:
             raise RuntimeError(
-                f"forward {unused[0] + 1} of {len(forwards)} of this pipe in autograd context {context_id} is not part "
+                f"forward {unused[0] + 1} of {len(outputs)} of this pipe in autograd context {context_id} is not part "
                 "of the loss: distributed autograd would wait for its sends until the RPC timeout. Run forwards you "
                 "do not backpropagate (validation, metrics) under torch.no_grad() or outside the context")
 

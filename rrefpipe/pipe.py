@@ -237,8 +237,7 @@ class Pipe(nn.Module):
                     raise
                 _release(held)  # only dropped pipes held workers that do not fit this one: start afresh
                 self._local_workers = launch.acquire_embedded(n, **wanted)
-            names: list[str] = self._local_workers.names[:n]
-            return names
+            return list(self._local_workers.names[:n])
         if not _rpc.is_initialized():
             raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
                              "(or launch with torchrun) first, or leave workers out to start local ones")
