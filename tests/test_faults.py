@@ -26,7 +26,9 @@ def _values(out: str) -> dict[str, str]:
 
 
 def _run(name: str, body: str) -> dict[str, str]:
-    values = _values(run_script(PRELUDE + textwrap.dedent(body)).stdout)
+    proc = run_script(PRELUDE + textwrap.dedent(body))
+    print(proc.stderr[-6000:])  # the workers' logs too: pytest shows them when a later assertion fails
+    values = _values(proc.stdout)
     assert values, "the script reported nothing"
     for key in ("surfaced", "closed", "exited"):
         if key in values:
