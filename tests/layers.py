@@ -345,22 +345,6 @@ class RaiseInRecompute(nn.Module):
         return torch.tanh(x)  # saves its output, so backward needs the recomputation
 
 
-class FailsOnSentinel(nn.Module):
-    """tanh(x * scale), except that on a micro-batch holding SENTINEL its recomputation raises IndexError,
-    and on one holding -SENTINEL its backward raises ValueError: steps that fail in backward, each for
-    its own cause. (Its parameter puts it in the graph as a pipe's first layer.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if is_recomputing() and bool((x == SENTINEL).any()):
-            raise IndexError("only on recompute")
-        y = torch.tanh(x * self.scale)
-        return _RaiseInBackward.apply(y) if bool((x == -SENTINEL).any()) else y
-
-
 class DiffersOnRecompute(nn.Module):
     """Saves other tensors for backward when checkpointing runs it again: not the same work twice."""
 

@@ -181,32 +181,6 @@ def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, check
     assert v["next_step"] == "ok"
 
 
-def test_a_failed_recomputation_is_not_blamed_for_a_later_steps_error():
-    """Stage 0 fails to recompute in one step's backward, a layer of it raises in the next step's
-    backward: each error names its own cause (the first failure's record had been reported again)."""
-    v = _run("recompute failure, then a backward failure", """
-        from rrefpipe.errors import StageError
-        model = nn.Sequential(layers.FailsOnSentinel(), nn.Linear(4, 4))
-        pipe = Pipe(model, chunks=4, checkpoint="always", balance=[1, 1])
-        for step, value in enumerate([layers.SENTINEL, -layers.SENTINEL, -layers.SENTINEL, layers.SENTINEL]):
-            x = torch.randn(8, 4)
-            if value > 0:
-                x[:, 0] = value  # every micro-batch fails to recompute: several failures recorded
-            else:
-                x[7, 0] = value
-            try:
-                with dist_autograd.context() as ctx:
-                    pipe.backward(ctx, pipe(x).local_value().sum())
-                report(**{f"step{step}": "ok"})
-            except StageError as exc:
-                report(**{f"step{step}": f"{exc.stage} {exc.phase} {exc.error_type}: {exc.error_message}"})
-        pipe.close()
-    """)
-    recompute = "0 recompute IndexError: only on recompute"
-    backward = "0 backward Error: gradient of the wrong shape"  # its type stays on the worker
-    assert [v[f"step{k}"] for k in range(4)] == [recompute, backward, backward, recompute]
-
-
 def test_a_remote_output_left_out_of_the_loss_is_named_when_backward_times_out():
     """With ``remote_output=True`` the driver cannot see which fetched outputs reach the loss, so a
     forward left out of it makes backward wait for the RPC timeout; the error then says so."""

@@ -7,6 +7,7 @@ from torch import nn
 
 from rrefpipe.dependency import new_phony
 from rrefpipe.stage import Stage, StepMeta
+from tests.layers import RaiseInRecompute
 
 
 def _meta(grad: bool, stop: int) -> StepMeta:
@@ -30,6 +31,24 @@ def test_checkpointed_microbatch_is_recomputed_in_backward(stop, recomputes):
     ref = x.detach().clone().requires_grad_()
     stage.module(ref).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad)
+
+
+def test_recompute_failures_are_kept_by_step_and_taken_once():
+    """The driver asks a stage for the failures of its failed backward's steps: those of another step,
+    or ones reported already, must not come back as the cause (every micro-batch of a step can fail)."""
+    stage = Stage(0, nn.Sequential(nn.Linear(4, 4), RaiseInRecompute()), torch.device("cpu"), "here")
+    for step in (0, 1):
+        meta = StepMeta(step=step, chunks=2, checkpoint_stop=2, grad_enabled=True, deliver_to=None, timeout=1.0)
+        for i in range(2):
+            out = stage.run(meta, i, torch.randn(2, 4)).value
+            with pytest.raises(IndexError, match="only on recompute"):
+                out.sum().backward()
+    assert stage.take_backward_failure([2]) is None
+    latest = stage.take_backward_failure([0])
+    assert latest is not None and (latest.phase, latest.microbatch, latest.error_type) == ("recompute", 1, "IndexError")
+    assert stage.take_backward_failure([0]) is None  # step 0's other failure went with it
+    assert stage.take_backward_failure([1, 0]).microbatch == 1  # step 1's are still there
+    assert stage.take_backward_failure([1]) is None
 
 
 def test_without_grad_no_autograd_state_is_kept():
