@@ -74,7 +74,8 @@ class Pipe(nn.Module):
         devices: device per stage (``"cpu"``, ``"cuda:1"``); by default where the layers are.
         remote_output: keep the output on the last stage's worker; ``forward`` then returns a
             remote RRef (``.to_here()`` fetches it).
-        rpc_timeout: seconds each RPC may take before the step fails (a dead worker fails at once).
+        rpc_timeout: seconds each RPC may take before the step fails (a dead worker fails at once);
+            a whole forward is one such call. Backward waits on the RPC group's default timeout.
         microbatches_per_message: micro-batches a stage sends to the next in one message. More saves
             each hop a request, a reply and a gradient message per extra micro-batch, and delays the
             next stage's start by as many micro-batches: worth it with many small micro-batches (see
