@@ -251,10 +251,11 @@ class RemoteDriver:
                               timeout=self.rpc_timeout)
         if collector.output is None:
             raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
-        nodes = [t.grad_fn for t in microbatch.as_tensors(collector.output) if t.grad_fn is not None]
-        if forwards is not None and nodes:
-            forwards.outputs.append(nodes)
-            _refuse_local_backward(collector.output)
+        if forwards is not None:
+            nodes = [t.grad_fn for t in microbatch.as_tensors(collector.output) if t.grad_fn is not None]
+            if nodes:
+                forwards.outputs.append(nodes)
+                _refuse_local_backward(collector.output)
         return rpc.RRef(collector.output)
 
     def _forwards(self, context_id: int | None) -> _Forwards | None:
