@@ -45,6 +45,16 @@ def context_exists(context_id: int) -> bool:
     return True
 
 
+def release_if_only_received(context_id: int) -> bool:
+    """Release this process's distributed-autograd context ``context_id`` if it holds no send node: no
+    message left here in it, so an incoming message created it, not a ``dist_autograd.context()`` here.
+    Returns whether it did."""
+    if dist_autograd._retrieve_context(context_id)._send_functions():
+        return False
+    dist_autograd._release_context(context_id)
+    return True
+
+
 def in_graceful_shutdown() -> bool:
     """Whether this process waits in a graceful ``rpc.shutdown()``: torch's ``_all_gather`` of every
     worker's name, which returns only once each member of the group has called it too. This process has

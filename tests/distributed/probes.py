@@ -3,6 +3,7 @@ the check that a pipe computes what the plain model does."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -62,8 +63,6 @@ def check_transparent(pipe, model, x, device: str = "cpu", **tolerance) -> None:
 
 def counts() -> dict[str, int]:
     """What a process holds: stages, RRefs, autograd contexts, RPC calls in flight, Python threads."""
-    import threading
-
     from rrefpipe.server import _servers
 
     rrefs = rpc._rref_context_get_debug_info()
@@ -96,3 +95,45 @@ def environment(keys: list[str]) -> dict[str, str | None]:
 def interop_threads() -> int:
     """This worker's inter-op threads (where distributed autograd runs backward tasks)."""
     return torch.get_num_interop_threads()
+
+
+_leave_late_context = threading.Event()
+
+
+@rpc.functions.async_execution
+def deliver_late_in_a_new_context(driver: str, pipe_id: str) -> torch.futures.Future[None]:
+    """On a worker: deliver an output for a step the driver has no record of, inside a context the driver
+    has never seen, as a hung last stage does after the user left the step's context. Resolves once
+    delivered, and stays in the context until :func:`leave_late_context` (its end would release the
+    driver's copy too, and so would any other call to the driver from inside it). On a thread of its
+    own: the worker's one RPC thread completes its calls."""
+    from rrefpipe.driver import deliver
+
+    delivered: torch.futures.Future[None] = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            with dist_autograd.context():
+                rpc.rpc_sync(driver, deliver, args=(pipe_id, 0, torch.ones(2, requires_grad=True)))
+                delivered.set_result(None)
+                _leave_late_context.wait(timeout=60)
+        except Exception as exc:
+            delivered.set_exception(exc)
+        finally:
+            _leave_late_context.clear()
+
+    threading.Thread(target=run, daemon=True).start()
+    return delivered
+
+
+def leave_late_context() -> None:
+    _leave_late_context.set()
+
+
+@rpc.functions.async_execution
+def deliver_late_in_the_callers_context(driver: str, pipe_id: str, tensor: torch.Tensor) -> torch.futures.Future[None]:
+    """On a worker, called with ``tensor`` from inside the driver's context: a late delivery in that
+    context (not awaited on the worker's one RPC thread, which completes the call)."""
+    from rrefpipe.driver import deliver
+
+    return rpc.rpc_async(driver, deliver, args=(pipe_id, 0, tensor * 2))

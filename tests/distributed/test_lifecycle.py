@@ -69,3 +69,25 @@ def test_a_closed_pipe_says_so(cluster):
                  lambda: pipe.backward(0, torch.zeros(())), lambda: pipe.load_state_dict({})):
         with pytest.raises(RuntimeError, match="this Pipe is closed"):
             call()
+
+
+def test_a_late_delivery_leaves_no_autograd_context_on_the_driver(cluster):
+    """The output of a step the driver gave up on (a stage hung past the RPC timeout) can arrive after the
+    user left the step's context. Distributed autograd creates that context on the driver again; the
+    driver releases it, but never a context the user still holds."""
+    import torch.distributed.rpc as rpc
+
+    from rrefpipe import _rpc
+    from tests.distributed.probes import (counts, deliver_late_in_a_new_context, deliver_late_in_the_callers_context,
+                                          leave_late_context)
+
+    me, worker = rpc.get_worker_info().name, cluster.names[0]
+    rpc.rpc_sync(worker, deliver_late_in_a_new_context, args=(me, "no-such-pipe"))
+    try:
+        assert counts()["contexts"] == 0
+    finally:
+        rpc.rpc_sync(worker, leave_late_context)
+    with dist_autograd.context() as ctx:
+        rpc.rpc_sync(worker, deliver_late_in_the_callers_context,
+                     args=(me, "no-such-pipe", torch.ones(2, requires_grad=True)))
+        assert _rpc.context_exists(ctx)
