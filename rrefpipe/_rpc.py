@@ -46,9 +46,9 @@ def context_exists(context_id: int) -> bool:
 
 
 def release_if_only_received(context_id: int) -> bool:
-    """Release this process's distributed-autograd context ``context_id`` if it holds no send node: no
-    message left here in it, so an incoming message created it, not a ``dist_autograd.context()`` here.
-    Returns whether it did."""
+    """Release this process's distributed-autograd context ``context_id`` if it holds no send node:
+    nothing was sent from here in it, so an incoming message created it, not a ``dist_autograd.context()``
+    here. Returns whether it did."""
     if dist_autograd._retrieve_context(context_id)._send_functions():
         return False
     dist_autograd._release_context(context_id)
