@@ -55,6 +55,8 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     bad = [c for c in values if not math.isfinite(c) or c < 0]
     if bad:
         raise ValueError(f"layer costs must be finite and non-negative, got {bad[:5]}")
+    if not any(values):  # every split is optimal and as even as any other: split as for equal costs
+        values = [1.0] * n
     prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
     limit = _least_maximum(prefix, partitions)
     return _most_even(prefix, partitions, limit)
