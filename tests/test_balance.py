@@ -14,6 +14,7 @@ from rrefpipe import Pipe
 from rrefpipe.balance import balance_by_size, balance_by_time, balance_cost, layer_sizes, layer_times, stage_costs
 from rrefpipe.balance.partition import solve
 from rrefpipe.partition import uniform_balance
+from rrefpipe.skip import pop, skippable, stash, verify_skippables
 from tests.layers import Merge, Split, mlp
 
 
@@ -59,9 +60,11 @@ def test_solve_examples_and_ties():
     assert solve([1, 1, 1, 1, 10], 2) == [4, 1]
     assert solve([10, 1, 1, 10], 3) == [1, 2, 1]
     assert solve([5], 1) == [1]
-    for n in range(1, 12):  # equal costs: the same split as uniform_balance
+    for n in range(1, 12):  # equal costs, zero ones too: the same split as uniform_balance
         for partitions in range(1, n + 1):
             assert solve([1.0] * n, partitions) == uniform_balance(n, partitions)
+            assert solve([0.0] * n, partitions) == uniform_balance(n, partitions)
+    assert balance_by_size(3, nn.Sequential(*[nn.Identity() for _ in range(7)]), torch.randn(2, 4)) == [3, 2, 2]
     assert balance_cost([3, 1, 1, 1], 2) == [1, 3]
 
 
@@ -146,21 +149,69 @@ def test_time_isolates_a_layer_a_hundred_times_slower():
     assert balance_by_time(2, model, torch.randn(256, 1024), timeout=0.3) == [1, 4]
 
 
+class _Doubles(nn.Module):
+    """Doubles its input, in place if ``in_place``, without saying so (no ``inplace`` attribute)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2) if self.in_place else x * 2
+
+
 def test_in_place_layers_are_profiled_on_a_copy_of_their_input():
     """Each layer's input is a detached leaf that requires grad, which ``nn.ReLU(inplace=True)`` may not
-    overwrite: profiling gives it a copy (ResNets use such layers everywhere). Sizes equal those of the
-    out-of-place model (ReLU saves its result either way)."""
+    overwrite, nor a custom layer that does so unannounced: profiling gives every layer a copy (ResNets use
+    such layers everywhere). Sizes equal those of the out-of-place model (ReLU saves its result either
+    way, a product by a number nothing), the copies counted as the tensors they stand for."""
     torch.manual_seed(0)
     def build(inplace):
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=inplace), nn.Linear(16, 16),
+        return nn.Sequential(nn.Linear(8, 16), _Doubles(inplace), nn.ReLU(inplace=inplace), nn.Linear(16, 16),
                              nn.Sequential(nn.ReLU(inplace=inplace)), nn.Linear(16, 2))
     x = torch.randn(12, 8)
     inplace, plain = build(True), build(False)
     assert layer_sizes(inplace, x, chunks=3) == layer_sizes(plain, x, chunks=3)
     times = layer_times(inplace, x, timeout=0.05)
-    assert len(times) == 5 and all(t > 0 for t in times)
+    assert len(times) == 6 and all(t > 0 for t in times)
     assert len(balance_by_time(2, inplace, x, timeout=0.05)) == 2
     assert balance_by_size(2, inplace, x, chunks=3) == balance_by_size(2, plain, x, chunks=3)
+
+
+@skippable(stash=["hidden"])
+class _StashHidden(nn.Module):
+    """Stashes a tensor it computes (not its input): the stash belongs to this layer's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        hidden = self.linear(x)
+        yield stash("hidden", hidden)
+        return torch.tanh(hidden)
+
+
+@skippable(pop=["hidden"])
+class _PopTimes(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        hidden = yield pop("hidden")
+        return x * hidden
+
+
+def test_a_stash_the_layer_computed_is_profiled_with_the_layer_that_pops_it():
+    """Each layer runs alone, its graph freed by its own backward: the popping layer gets the stash cut
+    from the stashing layer's graph, as it gets its input (it had raised "backward through the graph a
+    second time"). The product saves both factors: the popped one, 4x8 floats, is counted there, once."""
+    model = nn.Sequential(_StashHidden(), nn.Linear(8, 8), _PopTimes(), nn.Linear(8, 2))
+    x = torch.randn(8, 8)
+    verify_skippables(model)
+    times = layer_times(model, x, timeout=0.05)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert balance_by_time(2, model, x, timeout=0.05) in ([1, 3], [2, 2], [3, 1])
+    # micro-batch of 4, 4x8 floats (128 bytes) each: Linear saves its input and tanh its output, which the
+    # next Linear saves too; the product saves both factors, the last Linear the product
+    assert layer_sizes(model, x, chunks=2, param_scale=0) == [128 + 128, 0, 128 + 128, 128]
 
 
 def test_clear_errors():

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import microbatch
-from ..checkpoint import overwrites_input
 from ..microbatch import TensorOrTensors
+from ..skip.tracker import DetachingTracker, use_tracker
 
 __all__ = ["layer_times", "layer_sizes", "sandbox", "resolve_device", "param_bytes", "storage_key", "storage_bytes"]
 
@@ -63,10 +63,11 @@ def _detach(value: object, where: str) -> TensorOrTensors:
     return microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)  # type: ignore[arg-type]
 
 
-def _input_for(layer: nn.Module, value: TensorOrTensors) -> TensorOrTensors:
-    """``value``, or a copy for a layer that overwrites its input (``nn.ReLU(inplace=True)``): autograd
-    refuses in-place changes of a leaf that requires grad, which each layer's detached input is."""
-    return microbatch.apply(Tensor.clone, value) if overwrites_input(layer) else value
+def _own_copy(value: TensorOrTensors) -> TensorOrTensors:
+    """A layer's input: a copy of ``value`` (the previous layer's output, detached). Autograd refuses
+    in-place changes of a leaf that requires grad, and a layer may change its input in place whether it
+    says so (``nn.ReLU(inplace=True)``) or not (``x.mul_(2)`` in a custom forward)."""
+    return microbatch.apply(Tensor.clone, value)
 
 
 def _sync(device: torch.device) -> None:
@@ -89,11 +90,12 @@ def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.
     """One forward+backward of every layer on its own (input: the previous layer's output, detached)."""
     times = []
     value = _prepare(sample, device, "sample")
+    stashes = DetachingTracker()
     for j, layer in enumerate(layers):
-        value = _input_for(layer, value)  # the copy is not timed
+        value = _own_copy(value)  # not timed
         _sync(device)
         start = time.perf_counter()
-        with _blamed_on(j, layer):
+        with _blamed_on(j, layer), use_tracker(stashes):
             out = layer(value)
             value = _detach(out, f"output of layer {j}")
             outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
@@ -110,8 +112,9 @@ def layer_times(module: nn.Sequential, sample: TensorOrTensors, *, timeout: floa
                 device: str | torch.device | None = None) -> list[float]:
     """Seconds of forward+backward per layer on ``sample``: the median over repeated passes.
 
-    Each layer runs on its own, on the previous layer's output (detached, keeping ``requires_grad``), then
-    backward from a gradient of ones on its outputs that require grad. One untimed warm-up pass, then
+    Each layer runs on its own, on a copy of the previous layer's output (detached, keeping
+    ``requires_grad``; skip stashes the same), then backward from a gradient of ones on its outputs that
+    require grad. One untimed warm-up pass, then
     passes until ``timeout`` seconds have gone (at least one); the median ignores passes in which another
     process took the core. Runs on copies (:func:`sandbox`).
     """
@@ -149,18 +152,21 @@ def param_bytes(layer: nn.Module) -> int:
     return sum(seen.values())
 
 
-def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, int]]) -> tuple[int, object]:
+def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, int]],
+                 copies: dict[tuple[str, int], Tensor]) -> tuple[int, object]:
     """Run ``layer`` counting the bytes autograd saves for backward: storages not counted before (``seen``),
-    not parameters or buffers."""
+    not parameters or buffers. ``copies``: by storage, the tensor each input copy stands for (in a pipe a
+    layer's input is the previous layer's output itself, maybe a view of a larger storage)."""
     own = {storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
     total = 0
 
     def pack(t: Tensor) -> Tensor:
         nonlocal total
-        key = storage_key(t)
+        counted = copies.get(storage_key(t), t)
+        key = storage_key(counted)
         if key not in own and key not in seen:
             seen.add(key)
-            total += storage_bytes(t)
+            total += storage_bytes(counted)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -193,19 +199,22 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
         raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
     micro = microbatch.scatter(input, chunks)[0]
     dev = resolve_device(module, device)
-    sizes, seen = [], set[tuple[str, int]]()
-    kept = []  # every layer's output (and so its saved tensors) stays alive: no memory is reused in the pass
+    sizes, seen, copies = [], set[tuple[str, int]](), dict[tuple[str, int], Tensor]()
+    kept: list[object] = []  # every layer's input and output (and what it saves) stay: no memory is reused
+    stashes = DetachingTracker()
     with sandbox(module, dev) as layers:
         value = _prepare(micro, dev, "input")
         for j, layer in enumerate(layers):
-            value = _input_for(layer, value)
-            with _blamed_on(j, layer):
+            copied = _own_copy(value)
+            for copy_, original in zip(microbatch.as_tensors(copied), microbatch.as_tensors(value)):
+                copies[storage_key(copy_)] = copies.get(storage_key(original), original)
+            with _blamed_on(j, layer), use_tracker(stashes):
                 if dev.type == "cuda":
-                    activation, out = _allocated_bytes(layer, value, dev)
+                    activation, out = _allocated_bytes(layer, copied, dev)
                 else:
-                    activation, out = _saved_bytes(layer, value, seen)
+                    activation, out = _saved_bytes(layer, copied, seen, copies)
             sizes.append(int(activation + param_bytes(layer) * param_scale))
-            kept.append(out)
+            kept.extend((copied, out))
             value = _detach(out, f"output of layer {j}")
         del kept
     return sizes

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .namespace import Namespace
 
-__all__ = ["SkipKey", "SkipTracker", "current_tracker", "use_tracker"]
+__all__ = ["DetachingTracker", "SkipKey", "SkipTracker", "current_tracker", "use_tracker"]
 
 SkipKey = tuple[Namespace, str]
 
@@ -35,6 +35,15 @@ class _PlainTracker:
             return self.tensors.pop(key)
         except KeyError:
             raise KeyError(f"skip {key[1]!r} ({key[0]}) was popped before it was stashed") from None
+
+
+class DetachingTracker(_PlainTracker):
+    """For layers run one at a time (balancing profiles them so): each stash is cut from the stashing
+    layer's graph, keeping ``requires_grad``, as each layer's input is; the popping layer's backward then
+    stays its own, where the stashing layer's graph is gone by then."""
+
+    def save(self, key: SkipKey, tensor: Tensor | None) -> None:
+        super().save(key, None if tensor is None else tensor.detach().requires_grad_(tensor.requires_grad))
 
 
 _local = threading.local()
