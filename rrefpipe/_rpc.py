@@ -45,14 +45,12 @@ def context_exists(context_id: int) -> bool:
     return True
 
 
-def release_if_only_received(context_id: int) -> bool:
+def release_if_only_received(context_id: int) -> None:
     """Release this process's distributed-autograd context ``context_id`` if it holds no send node:
     nothing was sent from here in it, so an incoming message created it, not a ``dist_autograd.context()``
-    here. Returns whether it did."""
-    if dist_autograd._retrieve_context(context_id)._send_functions():
-        return False
-    dist_autograd._release_context(context_id)
-    return True
+    here."""
+    if not dist_autograd._retrieve_context(context_id)._send_functions():
+        dist_autograd._release_context(context_id)
 
 
 def in_graceful_shutdown() -> bool:

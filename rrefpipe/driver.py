@@ -71,24 +71,17 @@ def deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
     (value and phony)."""
     collector = _collectors.get((pipe_id, step))
     if collector is None:  # a step the driver already gave up on (it timed out, say)
-        _drop_context_made_by_late_delivery()
+        # It may come after the user left the step's dist_autograd.context(): distributed autograd then
+        # created that context here again, to hold the message's receive node, and unless the last stage's
+        # own clean-up of it happens to come later, nothing releases it and it keeps the step's output for
+        # the life of the process (1 of 3 runs with two timed-out steps in a row). The user's own context
+        # holds a send node (the forward's message to the first stage), one made by the delivery none.
+        context_id = _rpc.current_context_id()
+        if context_id is not None:
+            _rpc.release_if_only_received(context_id)
         return
     collector.output = value
     collector.done.set()
-
-
-def _drop_context_made_by_late_delivery() -> None:
-    """Release the autograd context this delivery's message created, if it created one.
-
-    A step given up on (a hung stage past the RPC timeout) may deliver its output after the user has left
-    the step's ``dist_autograd.context()``. Distributed autograd then creates that context here again,
-    to hold the message's receive node. Unless the last stage's own clean-up of the context happens to
-    come after it, nothing releases it, and it keeps the step's output for the life of the process (seen
-    in 1 of 3 runs with two timed-out steps in a row). The user's own context always holds a send node
-    (the forward's message to the first stage); a context made by the delivery holds none."""
-    context_id = _rpc.current_context_id()
-    if context_id is not None:
-        _rpc.release_if_only_received(context_id)
 
 
 def _send_copy(t: Tensor) -> Tensor:
