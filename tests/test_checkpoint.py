@@ -186,7 +186,8 @@ def test_a_failed_recomputation_raises_in_backward(ahead):
     assert [str(e) for e in told] == ["changed its mind"]  # told once, for the driver to ask
 
 
-@pytest.mark.parametrize("again", [lambda x: x.exp().exp(), lambda x: x.double().exp()])
+@pytest.mark.parametrize("again", [lambda x: x.exp().exp(), lambda x: x.double().exp(), lambda x: x[:1].exp()],
+                         ids=["count", "dtype", "shape"])
 def test_a_recomputation_that_saves_other_tensors_is_refused(again):
     def changing(x):
         return again(x) if is_recomputing() else x.exp()
@@ -268,3 +269,19 @@ def test_gradients_inside_a_checkpointed_forward_are_refused_clearly():
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="computed gradients inside its own forward"):
         run_checkpointed(penalised, x)
+
+
+def test_accelerator_random_state_is_asked_of_torch_only_for_accelerator_tensors(monkeypatch):
+    """A CPU stage skips torch's ``get_device_states`` (a pytree walk per micro-batch, which finds nothing
+    there); a tensor on an accelerator still gets it, so a GPU stage replays its random state."""
+    import types
+
+    import rrefpipe.checkpoint as checkpoint
+
+    asked = []
+    monkeypatch.setattr(checkpoint, "get_device_states", lambda *ts: asked.append(ts) or ([0], ["state"]))
+    assert checkpoint._accelerator_rng_states((torch.ones(1), torch.ones(1, device="meta"))) == ([], [])
+    assert asked == []
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert checkpoint._accelerator_rng_states((torch.ones(1), on_gpu)) == ([0], ["state"])  # type: ignore[arg-type]
+    assert len(asked) == 1
