@@ -1,6 +1,7 @@
 """Activation checkpointing of a stage (in one process): recomputation, ahead of backward or in it, and failures."""
 import gc
 import threading
+import types
 import weakref
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
+from rrefpipe import checkpoint
 from rrefpipe.checkpoint import Recomputable, overwrites_input, random_turns, run_checkpointed
 
 
@@ -274,10 +276,6 @@ def test_gradients_inside_a_checkpointed_forward_are_refused_clearly():
 def test_accelerator_random_state_is_asked_of_torch_only_for_accelerator_tensors(monkeypatch):
     """A CPU stage skips torch's ``get_device_states`` (a pytree walk per micro-batch, which finds nothing
     there); a tensor on an accelerator still gets it, so a GPU stage replays its random state."""
-    import types
-
-    import rrefpipe.checkpoint as checkpoint
-
     asked = []
     monkeypatch.setattr(checkpoint, "get_device_states", lambda *ts: asked.append(ts) or ([0], ["state"]))
     assert checkpoint._accelerator_rng_states((torch.ones(1), torch.ones(1, device="meta"))) == ([], [])
