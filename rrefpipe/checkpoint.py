@@ -196,7 +196,7 @@ class Recomputable:
             # would hold that node, a cycle autograd cannot see, and leak the whole graph.
 
         with self._replayed(), saved_tensors_hooks(pack, _never_unpacked), torch.enable_grad(), recomputing(True):
-            self._fn(self._own(microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), self._input)))
+            self._fn(self._own(microbatch.apply(microbatch.detached, self._input)))
         if count != len(self._slots) or not same:
             for s in self._slots:
                 s.tensor = None

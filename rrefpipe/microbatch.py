@@ -7,7 +7,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["Tensors", "TensorOrTensors", "as_tensors", "check", "scatter", "gather", "apply"]
+__all__ = ["Tensors", "TensorOrTensors", "as_tensors", "check", "scatter", "gather", "apply", "detached"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -35,6 +35,12 @@ def apply(fn: Callable[[Tensor], Tensor], value: TensorOrTensors) -> TensorOrTen
     if isinstance(value, Tensor):
         return fn(value)
     return tuple(fn(t) for t in value)
+
+
+def detached(t: Tensor) -> Tensor:
+    """``t`` cut from its graph, as a leaf that still asks for a gradient if ``t`` did: the start of a piece
+    of a graph run on its own (a recomputation, a layer profiled alone, a stash between such layers)."""
+    return t.detach().requires_grad_(t.requires_grad)
 
 
 def scatter(value: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:

@@ -60,7 +60,7 @@ def _detach(value: object, where: str) -> TensorOrTensors:
     microbatch.check(value, where)
     if isinstance(value, list):
         value = tuple(value)
-    return microbatch.apply(lambda t: t.detach().requires_grad_(t.requires_grad), value)  # type: ignore[arg-type]
+    return microbatch.apply(microbatch.detached, value)  # type: ignore[arg-type]
 
 
 def _own_copy(value: TensorOrTensors) -> TensorOrTensors:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from ..microbatch import detached
 from .namespace import Namespace
 
 __all__ = ["DetachingTracker", "SkipKey", "SkipTracker", "current_tracker", "use_tracker"]
@@ -43,7 +44,7 @@ class DetachingTracker(_PlainTracker):
     stays its own, where the stashing layer's graph is gone by then."""
 
     def save(self, key: SkipKey, tensor: Tensor | None) -> None:
-        super().save(key, None if tensor is None else tensor.detach().requires_grad_(tensor.requires_grad))
+        super().save(key, None if tensor is None else detached(tensor))
 
 
 _local = threading.local()
