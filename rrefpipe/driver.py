@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, microbatch, server
+from . import _rpc, autocast, control, microbatch, server
 from .dependency import new_phony
 from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, warn_user
 from .microbatch import TensorOrTensors
@@ -162,7 +162,7 @@ class RemoteDriver:
         return results
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
-        rrefs = [rref for rrefs in self._call_all(server.parameter_rrefs) for rref in rrefs]
+        rrefs = [rref for rrefs in self._call_all(control.parameter_rrefs) for rref in rrefs]
         try:
             for rref in rrefs:
                 rref.owner()  # what DistributedOptimizer asks first
@@ -177,33 +177,33 @@ class RemoteDriver:
         return rrefs
 
     def set_training(self, mode: bool) -> None:
-        self._call_all(server.set_training, mode)
+        self._call_all(control.set_training, mode)
 
     def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
-        return self._call_all(server.gradient_norm, context_id, norm_type)
+        return self._call_all(control.gradient_norm, context_id, norm_type)
 
     def scale_gradients(self, context_id: int, factor: float) -> None:
-        self._call_all(server.scale_gradients, context_id, factor)
+        self._call_all(control.scale_gradients, context_id, factor)
 
     def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
-        return self._call_all(server.unscale_gradients, context_id, inv_scale)
+        return self._call_all(control.unscale_gradients, context_id, inv_scale)
 
     def state_dict(self) -> dict[str, Tensor]:
         state: dict[str, Tensor] = {}
-        for part in self._call_all(server.state_dict):
+        for part in self._call_all(control.state_dict):
             state.update(part)
         return state
 
     def load_state_dict(self, parts: list[dict[str, Tensor]]) -> list[tuple[list[str], list[str], str]]:
-        """Per stage: missing keys, unexpected keys, error text (``server.load_state_dict``)."""
+        """Per stage: missing keys, unexpected keys, error text (``control.load_state_dict``)."""
         self._check_open()
-        return [self._call(j, server.load_state_dict, self.pipe_id, j, part) for j, part in enumerate(parts)]
+        return [self._call(j, control.load_state_dict, self.pipe_id, j, part) for j, part in enumerate(parts)]
 
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
-        return self._call_all(server.traffic)
+        return self._call_all(control.traffic)
 
     def events(self, clear: bool) -> list[Event]:
-        return [e for part in self._call_all(server.events, clear) for e in part]
+        return [e for part in self._call_all(control.events, clear) for e in part]
 
     def close(self) -> None:
         self._closed = True
@@ -347,7 +347,7 @@ class RemoteDriver:
             if node < len(names) and names[node] in self.workers:
                 j = self.workers.index(names[node])
                 try:
-                    recorded = rpc.rpc_sync(names[node], server.backward_failure,
+                    recorded = rpc.rpc_sync(names[node], control.backward_failure,
                                             args=(self.pipe_id, j, forwards.steps), timeout=5)
                 except Exception:
                     recorded = None
@@ -401,7 +401,7 @@ class RemoteDriver:
         running: list[tuple[float, int]] = []
         for j, worker in enumerate(self.workers):
             try:
-                age = rpc.rpc_sync(worker, server.backward_running, args=(self.pipe_id, j), timeout=2)
+                age = rpc.rpc_sync(worker, control.backward_running, args=(self.pipe_id, j), timeout=2)
             except Exception:
                 continue
             if age is not None:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _rpc
 
-if TYPE_CHECKING:  # the stage servers import unscale(): the Pipe is imported where it is needed
+if TYPE_CHECKING:  # stage workers import unscale() (rrefpipe.control): the Pipe is imported where it is needed
     from torch.distributed.optim import DistributedOptimizer  # 0.7 s of imports (FSDP, DTensor, sympy)
 
     from .pipe import Pipe

@@ -1,0 +1,96 @@
+"""What the driver asks of a stage between steps, over RPC on the stage's worker: its parameters, its
+training mode, its gradients in an autograd context (norm, scaling), its state dict, and its records
+(execution events, traffic, failures kept from backward).
+
+The data path (building a stage, micro-batches, skips, outputs) is :mod:`rrefpipe.server`; these calls
+only look a stage up in its registry.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TypeVar
+
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from . import clip, grad_scaler
+from .errors import Failure
+from .server import _server
+from .trace import Event
+
+__all__: list[str] = []
+
+T = TypeVar("T")
+
+
+def parameter_rrefs(pipe_id: str, index: int) -> list[rpc.RRef]:
+    return [rpc.RRef(p) for p in _server(pipe_id, index).stage.module.parameters()]
+
+
+def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -> Tensor | None:
+    """The norm of this stage's gradients in the context, after backward's last kernels."""
+    server = _server(pipe_id, index)
+    with server.stream.running():
+        return clip.gradient_norm(clip.context_gradients(server.stage.module, context_id), norm_type)
+
+
+def _rewrite_gradients(pipe_id: str, index: int, context_id: int, rewrite: Callable[[list[Tensor]], T]) -> T:
+    """``rewrite`` this stage's gradients in the context in place, done before the reply: the optimizer's
+    step runs on another stream and is ordered only after backward's writes, not after these."""
+    server = _server(pipe_id, index)
+    with server.stream.running():
+        result = rewrite(clip.context_gradients(server.stage.module, context_id))
+    server.stream.settle()
+    return result
+
+
+def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) -> None:
+    _rewrite_gradients(pipe_id, index, context_id, lambda grads: clip.scale(grads, factor))
+
+
+def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: float) -> bool:
+    """Whether any of this stage's gradients held an inf or a nan (they are unscaled all the same)."""
+    return _rewrite_gradients(pipe_id, index, context_id, lambda grads: grad_scaler.unscale(grads, inv_scale))
+
+
+def set_training(pipe_id: str, index: int, mode: bool) -> None:
+    _server(pipe_id, index).stage.module.train(mode)
+
+
+def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
+    server = _server(pipe_id, index)
+    server.stream.settle()  # after an optimizer step's writes
+    with server.stream.running():
+        return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
+
+
+def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> tuple[list[str], list[str], str]:
+    """Load what matches, as ``nn.Module.load_state_dict`` does; returns the missing and unexpected keys
+    and the error (shape mismatches), for the driver to report as one module would."""
+    server = _server(pipe_id, index)
+    server.stream.settle()  # after an optimizer step's writes
+    with server.stream.running():  # before what the stage queues next
+        try:
+            result = server.stage.module.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # "Error(s) in loading state_dict for Sequential:\n\t<errors>"
+            return [], [], str(exc).split(":\n\t", 1)[-1]
+    return list(result.missing_keys), list(result.unexpected_keys), ""
+
+
+def events(pipe_id: str, index: int, clear: bool) -> list[Event]:
+    return _server(pipe_id, index).stage.recorder.snapshot(clear)
+
+
+def backward_failure(pipe_id: str, index: int, steps: Collection[int]) -> Failure | None:
+    """The latest failure this stage recorded in the backward of one of ``steps`` (those are then forgotten)."""
+    return _server(pipe_id, index).stage.take_backward_failure(steps)
+
+
+def backward_running(pipe_id: str, index: int) -> float | None:
+    """Seconds this stage has been in the backward of its oldest unfinished micro-batch, if any."""
+    return _server(pipe_id, index).stage.backward_running()
+
+
+def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
+    """Tensors and bytes this stage received, by kind ('activation' or 'skip')."""
+    return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
