@@ -13,6 +13,7 @@ torchrun's agent) is checked over its own connection from its own thread.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -91,6 +92,17 @@ def _watch_store(name: str, interval: float) -> None:
                 os._exit(0)
 
 
+def _freeze_start_up_objects() -> None:
+    """Hide what start-up left alive (torch's modules and the RPC agent, ~240k objects) from the garbage
+    collector: a full collection walks every tracked object with the GIL held, and a stage stalled
+    stalls the whole pipeline. Transformer-style model, 2 stages, m=32, 300 steps, first stage: 3 full
+    collections of ~107 ms each before, 7 of ~29 ms after (what is created later stays unfrozen, such as
+    the ~75k objects of a DistributedOptimizer's first use). Young garbage is collected as before, and
+    these objects live as long as the worker."""
+    gc.collect()
+    gc.freeze()
+
+
 def _drop_torchscript_optimizer_warning() -> None:
     """DistributedOptimizer scripts its functional optimizer on each worker, and torch 2.13 then warns
     there about its own use of TorchScript: nothing a user of DistributedOptimizer can act on. torch
@@ -137,6 +149,7 @@ def serve(
     init_rpc(name, rank=rank, world_size=world_size, options=options)
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
+    _freeze_start_up_objects()
     if watch_stdin:
         threading.Thread(target=_watch_stdin, args=(ping_interval,), name="rrefpipe-stdin-watch", daemon=True).start()
     threading.Thread(target=_watch_store, args=(name, ping_interval), name="rrefpipe-store-watch", daemon=True).start()

@@ -97,6 +97,13 @@ def interop_threads() -> int:
     return torch.get_num_interop_threads()
 
 
+def frozen_objects() -> int:
+    """How many objects this process hid from the garbage collector (``gc.freeze``)."""
+    import gc
+
+    return gc.get_freeze_count()
+
+
 _leave_late_context = threading.Event()
 
 

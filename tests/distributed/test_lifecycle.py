@@ -59,6 +59,16 @@ def test_local_workers_environment_defaults(cluster):
         assert rpc.rpc_sync(name, interop_threads) == STAGE_INTEROP_THREADS  # where backward runs
 
 
+def test_workers_hide_their_start_up_objects_from_the_garbage_collector(cluster):
+    # torch's modules and the RPC agent: a full collection would walk them all, stalling the stage
+    import torch.distributed.rpc as rpc
+
+    from tests.distributed.probes import frozen_objects
+
+    for name in cluster.names:
+        assert rpc.rpc_sync(name, frozen_objects) > 50_000
+
+
 def test_a_closed_pipe_says_so(cluster):
     """Its stages are gone from the workers: a state dict must not come back empty, nor a forward fail
     obscurely."""
