@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from . import _rpc, autocast, control, microbatch, server
 from .dependency import new_phony
-from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, warn_user
+from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
@@ -331,7 +331,7 @@ class RemoteDriver:
             dead = self._unresponsive(UNREACHABLE, phase, message)
             if dead is not None:
                 return dead
-            if "timeout" in message:  # a backward hung in a layer leaves its worker's RPC thread free
+            if timed_out(message):  # a backward hung in a layer leaves its worker's RPC thread free
                 hung = self._longest_backward(message)
                 if hung is not None:
                     return hung
@@ -389,7 +389,7 @@ class RemoteDriver:
             failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
             cause = _first_cause(failures)
-            if isinstance(cause, WorkerError) and "timeout" in cause.error_message:
+            if isinstance(cause, WorkerError) and timed_out(cause.error_message):
                 # Every stage before a hung one times out waiting for the next: find the one that is busy.
                 busy = self._unresponsive("did not answer within 2 s, hung or still busy in its layers")
                 if busy is not None:

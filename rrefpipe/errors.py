@@ -10,10 +10,12 @@ from __future__ import annotations
 import builtins
 import os
 import pickle
+import re
 import sys
 import traceback
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn.modules
 
@@ -52,6 +54,14 @@ class StageError(RuntimeError):
         self.error_message = error_message
         self.remote_traceback = remote_traceback
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ``args`` holds the message only, and a mirrored class (``StageValueError``) is made at run time:
+        # rebuild from the fields, so the error crosses processes (a process pool, pytest-xdist) and copies.
+        fields = (self.stage, self.worker, self.microbatch, self.phase, self.error_type, self.error_message,
+                  self.remote_traceback)
+        named = type(self) if type(self) in (StageError, WorkerError) else None  # else a mirror: made again
+        return _rebuilt, (named, fields), self.__dict__
+
 
 class WorkerError(StageError):
     """The RPC to or from a stage worker failed: the worker died, was unreachable, or timed out."""
@@ -61,17 +71,31 @@ class WorkerError(StageError):
 UNREACHABLE = "the worker is unreachable"
 
 
+#: How TensorPipe and torch's RPC agent word a connection they lost, could not make or gave up on: an
+#: errno name ("EOF: end of file", "EPIPE: broken pipe", "ECONNREFUSED: ...") or "pipe closed" at the start,
+#: TensorPipe's "(this error originated at tensorpipe/...)" or the agent's timeout anywhere. A layer's own
+#: message may say "closed" or "timeout" in any words: only these forms count.
+_TIMEOUT = "RPC ran for more than set timeout"
+_TRANSPORT = re.compile(rf"^\s*(?:E[A-Z]+: |pipe closed)|\(this error originated at tensorpipe/|{_TIMEOUT}")
+#: How torch reports an exception that the remote function raised: the worker answered, so it is alive.
+_REMOTE_EXCEPTION = "On WorkerInfo("
+
+
 def is_transport_error(exc: BaseException | str) -> bool:
-    """Whether an RPC error is TensorPipe's about the connection (lost, refused, timed out), not a
-    remote function's."""
+    """Whether an RPC error is TensorPipe's about the connection (lost, refused, timed out), not an
+    exception raised by the remote function or a layer, whatever words that uses."""
     text = str(exc)
-    return any(s in text for s in ("eof", "EOF", "EPIPE", "ECONNRESET", "ECONNREFUSED", "pipe closed", "timeout",
-                                    "Connection reset", "Broken pipe", "closed"))
+    return _REMOTE_EXCEPTION not in text and _TRANSPORT.search(text) is not None
+
+
+def timed_out(exc: BaseException | str) -> bool:
+    """A transport error that is the RPC timeout: the peer may be gone, or only busy."""
+    return is_transport_error(exc) and _TIMEOUT in str(exc)
 
 
 def lost_connection(exc: BaseException | str) -> bool:
     """A transport error other than a timeout: the peer is gone (a timed-out peer may only be busy)."""
-    return is_transport_error(exc) and "timeout" not in str(exc)
+    return is_transport_error(exc) and not timed_out(exc)
 
 
 @dataclass
@@ -169,6 +193,11 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
 _MIRRORED = (TypeError, ValueError, IndexError, ArithmeticError, ZeroDivisionError, AssertionError,
              NotImplementedError, AttributeError, LookupError)
 _mirrors: dict[str, type[StageError]] = {}
+
+
+def _rebuilt(kind: type[StageError] | None, fields: tuple[Any, ...]) -> StageError:
+    """A StageError unpickled: of class ``kind``, or (None) of the mirrored class its error type names."""
+    return (kind or _with_original_type(StageError, fields[4]))(*fields)
 
 
 def _with_original_type(base: type[StageError], error_type: str) -> type[StageError]:

@@ -318,12 +318,13 @@ class _DieInBackward(torch.autograd.Function):
 
 class _RaiseInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def]
+    def forward(ctx, x, message):  # type: ignore[no-untyped-def]
+        ctx.message = message
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        raise ValueError("gradient of the wrong shape")
+        raise ValueError(ctx.message)
 
 
 class DieInBackward(nn.Module):
@@ -332,8 +333,12 @@ class DieInBackward(nn.Module):
 
 
 class RaiseInBackward(nn.Module):
+    def __init__(self, message: str = "gradient of the wrong shape") -> None:
+        super().__init__()
+        self.message = message
+
     def forward(self, x: Tensor) -> Tensor:
-        return _RaiseInBackward.apply(x)
+        return _RaiseInBackward.apply(x, self.message)
 
 
 class RaiseInRecompute(nn.Module):

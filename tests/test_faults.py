@@ -48,7 +48,7 @@ def test_worker_killed_during_a_step(phase, layer):
                 pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
         except WorkerError as exc:
             report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
-                   message=exc.error_message, surfaced=time.monotonic() - t)
+                   message=exc.error_message, lost=isinstance(exc, WorkerError), surfaced=time.monotonic() - t)
         try:  # a control call goes to every stage at once; the one that failed is named
             pipe.state_dict()
         except WorkerError as exc:
@@ -152,16 +152,18 @@ def test_a_backward_hung_past_the_rpc_timeout_names_its_stage():
 
 
 @pytest.mark.parametrize("layer, checkpoint, expected", [
-    ("RaiseInBackward", "never", ("backward", "Error", "gradient of the wrong shape")),
-    ("RaiseInRecompute", "always", ("recompute", "IndexError", "only on recompute")),
-    ("DiffersOnRecompute", "always", ("recompute", "RuntimeError",
+    ("RaiseInBackward()", "never", ("backward", "Error", "gradient of the wrong shape")),
+    # a layer's own words for a connection are not TensorPipe's: still the layer's error, not a lost worker
+    ("RaiseInBackward('timeout: the file was closed')", "never", ("backward", "Error", "timeout: the file was closed")),
+    ("RaiseInRecompute()", "always", ("recompute", "IndexError", "only on recompute")),
+    ("DiffersOnRecompute()", "always", ("recompute", "RuntimeError",
                                       "checkpointing: the recomputed forward saved 2 tensors for backward where the "
                                       "first saved 1, or of other shapes, dtypes or devices: the stage's forward must "
                                       "do the same work when run again")),
 ])
 def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, checkpoint, expected):
     v = _run(f"stage raising in {expected[0]}", f"""
-        model = nn.Sequential(nn.Linear(4, 4), layers.{layer}(), nn.Linear(4, 4))
+        model = nn.Sequential(nn.Linear(4, 4), layers.{layer}, nn.Linear(4, 4))
         pipe = Pipe(model, chunks=2, checkpoint="{checkpoint}", balance=[1, 1, 1])
         t = time.monotonic()
         try:
@@ -169,7 +171,7 @@ def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, check
                 pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
         except StageError as exc:
             report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
-                   message=exc.error_message, surfaced=time.monotonic() - t)
+                   message=exc.error_message, lost=isinstance(exc, WorkerError), surfaced=time.monotonic() - t)
         with torch.no_grad():  # the same pipe keeps working
             x = torch.randn(4, 4)
             torch.testing.assert_close(pipe(x).local_value(), model(x))
@@ -177,7 +179,7 @@ def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, check
         pipe.close()
     """)
     assert (v["stage"], v["worker"]) == ("1", "worker2")
-    assert (v["phase"], v["type"], v["message"]) == expected
+    assert (v["phase"], v["type"], v["message"], v["lost"]) == (*expected, "False")
     assert v["next_step"] == "ok"
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
-from rrefpipe import Pipe, StageError
+from rrefpipe import Pipe, StageError, WorkerError
 from tests.layers import SENTINEL, Boom, DoubleInPlace, Misbehaves, PopAdd, StashUnlessSentinel, ToDict, Transpose
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,3 +172,16 @@ def test_bad_worker_names_and_stage_counts(cluster):
         Pipe(model, workers=cluster.names[:3])  # no balance: a stage per named worker
     with pytest.raises(ValueError, match="more stages than layers"):
         Pipe(model, devices=["cpu", "cpu", "cpu"])
+
+
+def _factory_that_raises() -> nn.Module:
+    raise ValueError("I/O operation on closed file")  # a builtin error in words that could name a connection
+
+
+def test_a_factory_error_is_the_factorys_not_a_lost_worker(cluster):
+    with pytest.raises(StageError) as info:
+        Pipe.from_factories([lambda: nn.Linear(2, 2), _factory_that_raises], workers=cluster.names[:2])
+    error = info.value
+    assert isinstance(error, ValueError) and not isinstance(error, WorkerError)
+    assert (error.stage, error.worker, error.phase) == (1, cluster.names[1], "create_stage")
+    assert "I/O operation on closed file" in error.error_message
