@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TypeVar
 
+import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
@@ -51,6 +52,16 @@ def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) ->
 def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: float) -> bool:
     """Whether any of this stage's gradients held an inf or a nan (they are unscaled all the same)."""
     return _rewrite_gradients(pipe_id, index, context_id, lambda grads: grad_scaler.unscale(grads, inv_scale))
+
+
+def convert(pipe_id: str, index: int, dtype: torch.dtype) -> None:
+    """Convert this stage's floating-point parameters and buffers to ``dtype``, after any optimizer step
+    queued on its device. ``nn.Module.to`` keeps each Parameter object, so RRefs to them stay valid."""
+    server = _server(pipe_id, index)
+    server.stream.settle()
+    with server.stream.running():
+        server.stage.module.to(dtype)
+    server.stream.settle()  # before the reply: the next forward may run on another stream
 
 
 def set_training(pipe_id: str, index: int, mode: bool) -> None:

@@ -179,6 +179,9 @@ class RemoteDriver:
     def set_training(self, mode: bool) -> None:
         self._call_all(control.set_training, mode)
 
+    def convert(self, dtype: torch.dtype) -> None:
+        self._call_all(control.convert, dtype)
+
     def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
         return self._call_all(control.gradient_norm, context_id, norm_type)
 

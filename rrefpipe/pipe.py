@@ -465,11 +465,57 @@ class Pipe(nn.Module):
             raise TypeError("this Pipe's stages live on its workers; pipe.stages describes them")
         return nn.ModuleList(stage.module for stage in self._driver.stages)
 
+    # -- dtype and device ----------------------------------------------------------------------------
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        """``pipe.to(dtype)`` converts every stage's floating-point parameters and buffers, as on one
+        module (on workers: in place, so ``parameter_rrefs`` taken before still reach them). A device, or
+        a tensor to take one from, is refused, as PyTorch's Pipe refused it: ``devices=`` places stages."""
+        dtype = kwargs.pop("dtype", None)
+        if args and isinstance(args[0], torch.dtype) and dtype is None:
+            dtype, args = args[0], args[1:]
+        if dtype is None or args or set(kwargs) - {"non_blocking"}:
+            self._refuse_to_move()
+        if isinstance(self._driver, LocalDriver):
+            return super().to(dtype, **kwargs)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"Pipe.to only accepts floating point or complex dtypes, but got desired dtype={dtype}")
+        self._driver.convert(dtype)
+        return self
+
+    def half(self) -> Pipe:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> Pipe:
+        return self.to(torch.bfloat16)
+
+    def float(self) -> Pipe:
+        return self.to(torch.float32)
+
+    def double(self) -> Pipe:
+        return self.to(torch.float64)
+
     def _refuse_to_move(self, *args: Any, **kwargs: Any) -> Pipe:
         raise TypeError("a Pipe places each stage on its device itself and cannot be moved: choose the devices "
                         "with Pipe(..., devices=[...]) or place the layers before wrapping them")
 
-    cuda = cpu = to = _refuse_to_move
+    cuda = cpu = _refuse_to_move
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Pipe:
+        """What ``to``, ``share_memory`` or a parent module's conversion would do to the tensors; stages on
+        workers are out of reach, and skipping them silently would leave them as they were."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's stages live on their workers, out of reach of nn.Module's tensor "
+                            "conversions: convert them with pipe.to(dtype) (or pipe.half(), pipe.double(), ...); a "
+                            "device move is refused, devices=[...] places the stages")
+        return super()._apply(fn, recurse)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Pipe:
+        """``fn`` on every layer, in a world of one. Stages on workers are out of reach: initialise the
+        layers before wrapping them, or in the factories of :meth:`from_factories`."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's layers live on its stage workers, out of reach of pipe.apply(fn): apply fn "
+                            "to the model before wrapping it, or build the stages with Pipe.from_factories")
+        return super().apply(fn)
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))

@@ -288,7 +288,7 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
 def test_world_size_one_pipe_is_a_module_like_pytorchs():
     """What code for PyTorch's Pipe does with it in a world of one: index and iterate its layers, read
     its devices, wrap it in DDP (checkpoint='never') or in a parent module and save and load their state
-    dicts with the plain keys under the parent's prefix; moving it is refused, as there."""
+    dicts with the plain keys under the parent's prefix; moving it is refused, as there, a dtype is not."""
     run_script("""
         import copy, os, warnings, pytest, torch, torch.distributed as dist, torch.distributed.rpc as rpc
         from torch import nn
@@ -306,9 +306,11 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
         assert len(pipe) == 3 and pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)
         assert pipe.devices == [torch.device("cpu")] * 2 and [len(p) for p in pipe.partitions] == [2, 1]
         assert list(pipe.state_dict()) == list(plain.state_dict())
-        for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu")):
+        for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu"), lambda: pipe.to(torch.zeros(1))):
             with pytest.raises(TypeError, match="cannot be moved"):
                 move()
+        assert pipe.to(torch.float64) is pipe and model[0].weight.dtype == torch.float64  # a dtype is no move
+        assert pipe.float() is pipe and model[0].weight.dtype == torch.float32
         parent = Parent(pipe, width=6)
         assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
         new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}

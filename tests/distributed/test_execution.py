@@ -1,9 +1,12 @@
 """What ran where and when: overlap of stages, order within a stage, recomputation, no deadlock."""
+import copy
+
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
+from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
 from tests.distributed.probes import stage_gradients
@@ -212,3 +215,34 @@ def test_always_keeps_every_micro_batchs_input_until_backward(cluster):
                 rpc.rpc_sync(name, memory.stop_tracking)
     assert [r.saved_peak for r in reports] == [32 * 16 * 4, 32 * 64 * 4], reports
     assert [r.saved_now for r in reports] == [0, 0], reports
+
+
+def test_dtype_conversions_reach_the_stages_and_device_moves_are_refused(cluster):
+    """pipe.double() converts the stages on their workers (as model.double() would the layers), in place:
+    RRefs taken before still reach the parameters. What cannot reach them raises instead of doing nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with Pipe(model, chunks=2, balance=[2, 1], checkpoint="never", workers=cluster.names[:2]) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        assert pipe.double() is pipe
+        assert {v.dtype for v in pipe.state_dict().values()} == {torch.float64}
+        with dist_autograd.context() as ctx:
+            out = pipe(x).local_value()
+            pipe.backward(ctx, out.square().sum())
+            opt.step(ctx)
+        torch.testing.assert_close(out, plain(x))
+        plain(x).square().sum().backward()
+        with torch.no_grad():
+            for p in plain.parameters():
+                p -= 0.1 * p.grad
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(pipe.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
+        assert pipe.to(dtype=torch.float32) is pipe
+        assert {v.dtype for v in pipe.state_dict().values()} == {torch.float32}
+        for unreachable in (lambda: pipe.to("cpu"), lambda: pipe.to(torch.zeros(1)), pipe.cuda,
+                            lambda: pipe.apply(lambda m: None), lambda: nn.Sequential(pipe).to(torch.float64),
+                            lambda: pipe.to(torch.int64)):
+            with pytest.raises(TypeError):
+                unreachable()
