@@ -28,6 +28,7 @@ from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
 from .skip.layout import route
+from .skip.skippable import verify_stage_skips
 from .stage import StageInfo, StepMeta
 from .trace import Event
 
@@ -117,7 +118,9 @@ class RemoteDriver:
                 # cloudpickle sends classes and factories defined in the user's script by value: a
                 # worker cannot import the driver's __main__.
                 self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, _pickled(spec, workers)))
-            routes = route([(info.stashes, info.pops) for info in self.infos])
+            skips = [(info.stashes, info.pops) for info in self.infos]
+            verify_stage_skips(skips)  # stages built from factories: nothing checked the whole model
+            routes = route(skips)
             for j, stage_routes in enumerate(routes):
                 self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes)
         except BaseException:

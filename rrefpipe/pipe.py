@@ -172,7 +172,9 @@ class Pipe(nn.Module):
         defaults to the CPU for every stage; the other arguments are ``Pipe``'s.
 
         Raises:
-            TypeError: ``factories`` is empty or holds something that is not callable.
+            TypeError: ``factories`` is empty or holds something that is not callable; the stages' skip
+                names do not pair up, one stash and one pop in the same or a later stage each
+                (:func:`~rrefpipe.skip.verify_skippables` at stage level).
             StageError: a factory raised on its worker (names the stage and worker).
         """
         if not factories or not all(callable(f) for f in factories):

@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from rrefpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from rrefpipe.skip.namespace import DEFAULT
+from rrefpipe.skip.skippable import verify_stage_skips
 from rrefpipe.skip.layout import route
 from tests.layers import PopAB, PopAdd, StashC, StashInput, StashStashPop, skip_model
 
@@ -38,6 +40,27 @@ def test_verify_skippables_lists_every_problem(layers, messages):
         verify_skippables(nn.Sequential(*layers()))
     for message in messages:
         assert message in str(info.value)
+
+
+SKIP, OTHER = (DEFAULT, "skip"), (DEFAULT, "other")
+
+
+@pytest.mark.parametrize("stage_skips, messages", [
+    ([((), (SKIP,)), ((), ())], ["'skip' is popped by stage 0 but never stashed"]),
+    ([((SKIP,), ()), ((), ())], ["'skip' is stashed by stage 0 but never popped"]),
+    ([((SKIP,), ()), ((SKIP,), ()), ((), (SKIP,))], ["'skip' is stashed by 2 stages 0 and 1"]),
+    ([((SKIP,), ()), ((), (SKIP,)), ((), (SKIP,))], ["'skip' is popped by 2 stages 1 and 2"]),
+    ([((), (SKIP,)), ((SKIP,), ())], ["'skip' is popped by stage 0 before it is stashed by stage 1"]),
+])
+def test_stages_known_by_their_skip_names_are_checked_like_layers(stage_skips, messages):
+    with pytest.raises(TypeError) as info:
+        verify_stage_skips(stage_skips)
+    for message in messages:
+        assert message in str(info.value)
+
+
+def test_stage_skips_that_pair_up_pass():
+    verify_stage_skips([((SKIP, OTHER), (OTHER,)), ((), ()), ((), (SKIP,))])  # 'other' stays in its stage
 
 
 def test_a_layer_used_twice_is_a_stash_twice():

@@ -1,7 +1,7 @@
 """The ``@skippable`` decorator and its ``stash``/``pop`` commands, and ``verify_skippables``."""
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor, nn
@@ -143,27 +143,49 @@ def verify_skippables(module: nn.Sequential) -> None:
     pops: dict[SkipKey, list[tuple[int, str]]] = {}
     for order, (path, layer) in enumerate(skippable_layers(module)):
         for key in layer.stashable():
-            stashes.setdefault(key, []).append((order, path))
+            stashes.setdefault(key, []).append((order, repr(path)))
         for key in layer.poppable():
-            pops.setdefault(key, []).append((order, path))
+            pops.setdefault(key, []).append((order, repr(path)))
+    _check_pairs(stashes, pops, "layer", pop_in_place=False)
+
+
+def verify_stage_skips(stage_skips: Sequence[tuple[Sequence[SkipKey], Sequence[SkipKey]]]) -> None:
+    """:func:`verify_skippables` for stages known only by each one's (stashed, popped) names: stages
+    built on their workers (``Pipe.from_factories``). A pop in the stash's own stage counts as later
+    (that stage's forward says so if it is not)."""
+    stashes: dict[SkipKey, list[tuple[int, str]]] = {}
+    pops: dict[SkipKey, list[tuple[int, str]]] = {}
+    for j, (stashed, popped) in enumerate(stage_skips):
+        for key in stashed:
+            stashes.setdefault(key, []).append((j, str(j)))
+        for key in popped:
+            pops.setdefault(key, []).append((j, str(j)))
+    _check_pairs(stashes, pops, "stage", pop_in_place=True)
+
+
+def _check_pairs(stashes: dict[SkipKey, list[tuple[int, str]]], pops: dict[SkipKey, list[tuple[int, str]]],
+                 kind: str, pop_in_place: bool) -> None:
+    """Raise ``TypeError`` listing every skip name without exactly one stash and one later pop; places are
+    (order, label) of the ``kind`` ("layer", "stage") that stashes or pops; ``pop_in_place``: a pop at
+    the stash's own place is later."""
     problems = []
     for key in sorted(set(stashes) | set(pops), key=lambda k: (k[1], k[0].id)):
         name = f"{key[1]!r}" + ("" if key[0] == DEFAULT else f" in {key[0]}")
         by, at = stashes.get(key, []), pops.get(key, [])
         if len(by) > 1:
-            problems.append(f"{name} is stashed by {len(by)} layers {_names(by)}: one stash per name "
+            problems.append(f"{name} is stashed by {len(by)} {kind}s {_names(by)}: one stash per name "
                             "(isolate repeated blocks with layer.isolate(Namespace()))")
         if len(at) > 1:
-            problems.append(f"{name} is popped by {len(at)} layers {_names(at)}: one pop per name")
+            problems.append(f"{name} is popped by {len(at)} {kind}s {_names(at)}: one pop per name")
         if by and not at:
-            problems.append(f"{name} is stashed by layer {_names(by)} but never popped")
+            problems.append(f"{name} is stashed by {kind} {_names(by)} but never popped")
         if at and not by:
-            problems.append(f"{name} is popped by layer {_names(at)} but never stashed")
-        if len(by) == 1 and len(at) == 1 and at[0][0] <= by[0][0]:
-            problems.append(f"{name} is popped by layer {_names(at)} before it is stashed by layer {_names(by)}")
+            problems.append(f"{name} is popped by {kind} {_names(at)} but never stashed")
+        if len(by) == 1 and len(at) == 1 and (at[0][0] < by[0][0] or (at[0][0] == by[0][0] and not pop_in_place)):
+            problems.append(f"{name} is popped by {kind} {_names(at)} before it is stashed by {kind} {_names(by)}")
     if problems:
         raise TypeError("skip connections do not pair up:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _names(places: list[tuple[int, str]]) -> str:
-    return " and ".join(repr(path) for _, path in places)
+    return " and ".join(label for _, label in places)

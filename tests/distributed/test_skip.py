@@ -84,3 +84,15 @@ def test_stashed_none_costs_nothing(cluster):
     with Pipe(model, chunks=3, balance=[1, 1, 2], workers=cluster.names[:3]) as pipe:
         check_transparent(pipe, model, x)
         assert all(t["skip"] == (0, 0) for t in pipe.traffic())
+
+
+def test_skips_of_stages_built_from_factories_must_pair_up(cluster):
+    """Nothing checks the whole model when each stage is built on its worker: the driver checks the
+    stages' skip names before the first forward, and drops the stages it built."""
+    from tests.distributed.probes import all_counts
+
+    with pytest.raises(TypeError, match="'skip' is stashed by 2 stages 0 and 1"):
+        Pipe.from_factories([StashInput, StashInput, PopAdd], workers=cluster.names[:3])
+    with pytest.raises(TypeError, match="'skip' is popped by stage 1 but never stashed"):
+        Pipe.from_factories([lambda: nn.Linear(3, 3), PopAdd], workers=cluster.names[:2])
+    assert all(counts["stages"] == 0 for counts in all_counts(cluster.names).values())
