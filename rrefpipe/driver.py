@@ -313,8 +313,9 @@ class RemoteDriver:
                                "autograd takes one backward per context (a second waits for the first one's sends "
                                "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
                                "accumulate gradients, sum the losses of several forwards into one backward")
-        forwards = self._contexts.pop(context_id, None) or _Forwards()
-        self._check_outputs_in_loss(context_id, forwards.outputs, losses)
+        forwards = self._contexts.get(context_id) or _Forwards()
+        self._check_outputs_in_loss(context_id, forwards.outputs, losses)  # refused: kept for a corrected retry
+        self._contexts.pop(context_id, None)
         self._backward_contexts.append(context_id)
         try:
             dist_autograd.backward(context_id, losses)
