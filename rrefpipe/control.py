@@ -7,8 +7,9 @@ only look a stage up in its registry.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -75,14 +76,18 @@ def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
 
 
-def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor]) -> tuple[list[str], list[str], str]:
-    """Load what matches, as ``nn.Module.load_state_dict`` does; returns the missing and unexpected keys
-    and the error (shape mismatches), for the driver to report as one module would."""
+def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor],
+                    metadata: dict[str, Any]) -> tuple[list[str], list[str], str]:
+    """Load what matches, as ``nn.Module.load_state_dict`` does (``metadata``: the layers' versions, as a
+    state dict carries them); returns the missing and unexpected keys and the error (shape mismatches),
+    for the driver to report as one module would."""
     server = _server(pipe_id, index)
+    versioned: Any = OrderedDict(state)
+    versioned._metadata = metadata
     server.stream.settle()  # after an optimizer step's writes
     with server.stream.running():  # before what the stage queues next
         try:
-            result = server.stage.module.load_state_dict(state, strict=False)
+            result = server.stage.module.load_state_dict(versioned, strict=False)
         except RuntimeError as exc:  # "Error(s) in loading state_dict for Sequential:\n\t<errors>"
             return [], [], str(exc).split(":\n\t", 1)[-1]
     return list(result.missing_keys), list(result.unexpected_keys), ""

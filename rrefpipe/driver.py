@@ -200,10 +200,12 @@ class RemoteDriver:
             state.update(part)
         return state
 
-    def load_state_dict(self, parts: list[dict[str, Tensor]]) -> list[tuple[list[str], list[str], str]]:
+    def load_state_dict(self, parts: list[dict[str, Tensor]],
+                        metadata: list[dict[str, Any]]) -> list[tuple[list[str], list[str], str]]:
         """Per stage: missing keys, unexpected keys, error text (``control.load_state_dict``)."""
         self._check_open()
-        return [self._call(j, control.load_state_dict, self.pipe_id, j, part) for j, part in enumerate(parts)]
+        return [self._call(j, control.load_state_dict, self.pipe_id, j, part, meta)
+                for j, (part, meta) in enumerate(zip(parts, metadata))]
 
     def traffic(self) -> list[dict[str, tuple[int, int]]]:
         return self._call_all(control.traffic)

@@ -407,7 +407,14 @@ class Pipe(nn.Module):
                     unexpected_keys.append(key)
                 else:
                     parts[j][key[len(prefix):]] = value
-        for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts)):
+        # Each layer's version, from the checkpoint's metadata: a layer reads old checkpoints by it (BatchNorm
+        # before version 2 had no num_batches_tracked). nn.Module hands the metadata only to the module it
+        # loads: a pipe inside a parent gets a plain dict, and its layers load as from one (no versions).
+        metadata: list[dict[str, Any]] = [{"": local_metadata} for _ in self.stages]
+        for key, value in getattr(state_dict, "_metadata", {}).items():
+            if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] in owner:
+                metadata[owner[key[len(prefix):].split(".", 1)[0]]][key[len(prefix):]] = value
+        for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts, metadata)):
             missing_keys.extend(prefix + key for key in missing)
             unexpected_keys.extend(prefix + key for key in unexpected)
             if error:

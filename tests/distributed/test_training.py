@@ -137,3 +137,26 @@ def test_state_dicts_of_a_module_holding_a_pipe_reach_the_workers(cluster):
         assert result.missing_keys == ["pipe.2.bias"] and result.unexpected_keys == ["pipe.7.weight"]
         with pytest.raises(RuntimeError, match="stage 1 on worker 'worker2': .*size mismatch for 2.weight"):
             pipe.load_state_dict({**model.state_dict(), "2.weight": torch.zeros(3, 3)})
+
+
+def test_layer_versions_in_a_checkpoint_reach_the_stages(cluster):
+    """A state dict carries each layer's version, which layers read old checkpoints by: the pipe loads
+    as the plain module does. BatchNorm's num_batches_tracked is missing from a current checkpoint (an
+    error, as for the plain module) and expected missing from a version 1 one (BatchNorm adds it)."""
+    def batch_norm_model() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+    with Pipe(batch_norm_model(), chunks=2, balance=[2, 1], workers=cluster.names[:2]) as pipe:
+        plain = batch_norm_model()
+        current = plain.state_dict()
+        without = type(current)((k, v) for k, v in current.items() if k != "1.num_batches_tracked")
+        without._metadata = current._metadata
+        for module in (plain, pipe):
+            with pytest.raises(RuntimeError, match='Missing key.*"1.num_batches_tracked"'):
+                module.load_state_dict(without)
+        without._metadata = type(current._metadata)(current._metadata)
+        without._metadata["1"] = {**current._metadata["1"], "version": 1}
+        for module in (plain, pipe):
+            result = module.load_state_dict(without)
+            assert result.missing_keys == [] and result.unexpected_keys == []
+        torch.testing.assert_close(pipe.state_dict()["1.num_batches_tracked"], torch.tensor(0))
