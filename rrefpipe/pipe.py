@@ -412,8 +412,9 @@ class Pipe(nn.Module):
         # loads: a pipe inside a parent gets a plain dict, and its layers load as from one (no versions).
         metadata: list[dict[str, Any]] = [{"": local_metadata} for _ in self.stages]
         for key, value in getattr(state_dict, "_metadata", {}).items():
-            if key.startswith(prefix) and key[len(prefix):].split(".", 1)[0] in owner:
-                metadata[owner[key[len(prefix):].split(".", 1)[0]]][key[len(prefix):]] = value
+            layer = key[len(prefix):].split(".", 1)[0]
+            if key.startswith(prefix) and layer in owner:
+                metadata[owner[layer]][key[len(prefix):]] = value
         for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts, metadata)):
             missing_keys.extend(prefix + key for key in missing)
             unexpected_keys.extend(prefix + key for key in unexpected)
@@ -482,6 +483,8 @@ class Pipe(nn.Module):
         dtype = kwargs.pop("dtype", None)
         if args and isinstance(args[0], torch.dtype) and dtype is None:
             dtype, args = args[0], args[1:]
+        if len(args) == 1 and isinstance(args[0], bool):  # to(dtype, non_blocking)
+            kwargs["non_blocking"], args = args[0], ()
         if dtype is None or args or set(kwargs) - {"non_blocking"}:
             self._refuse_to_move()
         if isinstance(self._driver, LocalDriver):

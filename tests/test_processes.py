@@ -311,6 +311,7 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
                 move()
         assert pipe.to(torch.float64) is pipe and model[0].weight.dtype == torch.float64  # a dtype is no move
         assert pipe.float() is pipe and model[0].weight.dtype == torch.float32
+        assert pipe.to(torch.float32, True) is pipe  # to(dtype, non_blocking), as nn.Module takes it
         parent = Parent(pipe, width=6)
         assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
         new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}

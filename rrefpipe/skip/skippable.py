@@ -1,4 +1,4 @@
-"""The ``@skippable`` decorator and its ``stash``/``pop`` commands, and ``verify_skippables``."""
+"""The ``@skippable`` decorator and its ``stash``/``pop`` commands, and the checks that skips pair up."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
