@@ -130,6 +130,8 @@ class Stage:
             if self._ahead is not None:
                 self._ahead.new_step()
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
+        if self._copy_input and not checkpointed:  # (checkpointing runs from a copy of its own)
+            value = microbatch.apply(_overwritable, value)
         with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
             crosses = bool(phonies)  # the output crosses an RPC hop
@@ -243,6 +245,12 @@ class Stage:
                     self.recompute_soon(step, i - 1)
 
         return callback
+
+
+def _overwritable(t: Tensor) -> Tensor:
+    """``t``, or a copy where autograd forbids overwriting it: a view that needs a gradient (a micro-batch
+    split off the batch, or off a pair), which the stage's in-place first layer would change."""
+    return t.clone() if t.requires_grad and t._is_view() else t
 
 
 class _RecomputeAhead:

@@ -35,6 +35,31 @@ def test_in_place_first_layer_after_a_boundary(cluster, checkpoint):
         check_transparent(pipe, model, x)
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_in_place_first_layer_of_the_pipe_on_an_input_that_needs_a_gradient(cluster, checkpoint, chunks):
+    """The first stage's micro-batches are views of the batch, which autograd forbids overwriting: the
+    in-place first layer gets a copy of each (it failed with "Output 0 of SplitBackward0 is a view and
+    is being modified inplace" unless every micro-batch was checkpointed)."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    reference = twin(model)
+    x = torch.randn(8, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out_ref = reference(x_ref * 2)
+    out_ref.square().sum().backward()
+    with Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=[2, 1], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            out = pipe(x * 2).local_value()
+            dist_autograd.backward(ctx, [out.square().sum()])
+            x_grad = dist_autograd.get_gradients(ctx)[x]
+            grads = stage_gradients(pipe, ctx)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(x_grad, x_ref.grad)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_tuple_boundaries_between_workers(cluster, checkpoint):
     torch.manual_seed(3)
