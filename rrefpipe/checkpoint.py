@@ -107,9 +107,11 @@ class Recomputable:
         self._released = False  # a recomputation asked for ahead is no longer wanted
         self._first_run = False
 
-    def run(self, value: Any) -> Any:
+    def run(self, value: Any, reused: Sequence[Tensor] = ()) -> Any:
         """The first run of ``fn(value)``: its output, with placeholders for what backward needs. Keeps
-        the input, and the random, autocast and stream state to run it again as it ran now."""
+        the input, and the random, autocast and stream state to run it again as it ran now. ``reused``:
+        other tensors ``fn`` reads that a recomputation reads again (skip tensors received from earlier
+        stages): neither they nor the input may change in place."""
         self._autocast = autocast.capture()
         self._cpu_rng = torch.get_rng_state()
         self._devices, self._device_rng = _accelerator_rng_states(microbatch.as_tensors(value))
@@ -124,13 +126,13 @@ class Recomputable:
         self._first_run = True
         try:
             with saved_tensors_hooks(pack, self._unpack), _flag("checkpointing", True):
-                before = _versions(value)
+                before = _versions((*microbatch.as_tensors(value), *reused))
                 out = self._fn(self._own(value))
-                if _versions(value) != before:
+                if _versions((*microbatch.as_tensors(value), *reused)) != before:
                     raise RuntimeError(
-                        "a layer modified the stage's input in place (e.g. an in-place activation or `x.add_()` "
-                        "in its first layer's forward), but checkpointing keeps that input to recompute from "
-                        "in backward: use the layer's out-of-place form, or checkpoint='never'")
+                        "a layer modified the stage's input or a skip tensor it popped in place (e.g. an in-place "
+                        "activation first, or `x.add_()` in a forward), but checkpointing keeps them to recompute "
+                        "from in backward: use the out-of-place form, or checkpoint='never'")
         finally:
             self._first_run = False
         return out

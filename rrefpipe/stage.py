@@ -142,7 +142,7 @@ class Stage:
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
             fn, outgoing = self._runner(meta.step, i, received)
             with random_turns:
-                out = self._checkpointed(meta, i, fn, value) if checkpointed else fn(value)
+                out = self._checkpointed(meta, i, fn, value, received) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
                 out = tuple(out)
@@ -167,9 +167,9 @@ class Stage:
         return result
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
-                      value: TensorOrTensors) -> TensorOrTensors:
+                      value: TensorOrTensors, received: dict[SkipKey, Tensor | None]) -> TensorOrTensors:
         recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, meta.step, i))
-        out = recomputable.run(value)
+        out = recomputable.run(value, [t for t in received.values() if t is not None])
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)
         return out

@@ -206,6 +206,15 @@ class PopAdd(nn.Module):
         return x + skip
 
 
+@skippable(pop=["skip"])
+class PopAddInPlace(nn.Module):
+    """Adds its input to the popped skip in place (plain PyTorch allows it)."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("skip")
+        return skip.add_(x)
+
+
 @skippable(stash=["skip"])
 class StashNone(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]

@@ -7,7 +7,9 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe, StageError, WorkerError
-from tests.layers import SENTINEL, Boom, DoubleInPlace, Misbehaves, PopAdd, StashUnlessSentinel, ToDict, Transpose
+from tests.distributed.probes import check_transparent
+from tests.layers import (SENTINEL, Boom, DoubleInPlace, Misbehaves, PopAdd, PopAddInPlace, StashInput,
+                          StashUnlessSentinel, ToDict, Transpose)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,11 +90,27 @@ def test_an_unflagged_in_place_first_layer_is_named_in_forward(cluster):
     x = torch.randn(4, 4)
     with Pipe(model, chunks=2, balance=[1, 2], workers=cluster.names[:2]) as pipe:
         with dist_autograd.context():
-            with pytest.raises(StageError, match="modified the stage's input in place") as info:
+            with pytest.raises(StageError, match="input or a skip tensor it popped in place") as info:
                 pipe(x)
         assert (info.value.stage, info.value.worker, info.value.microbatch) == (1, "worker2", 0)
         with torch.no_grad():
             torch.testing.assert_close(pipe(x).local_value(), model(x))
+
+
+def test_a_skip_popped_from_another_stage_and_changed_in_place_is_named_in_forward(cluster):
+    """A checkpointed stage recomputes from the skip tensors it received: one changed in place would
+    recompute other activations, and the gradients came out wrong without an error. The forward names
+    the stage and the cause; without checkpointing the result is the plain module's."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 6), StashInput(), nn.Tanh(), PopAddInPlace(), nn.Linear(6, 3))
+    x = torch.randn(4, 6, requires_grad=True)
+    with Pipe(model, chunks=2, checkpoint="always", balance=[3, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context():
+            with pytest.raises(StageError, match="input or a skip tensor it popped in place") as info:
+                pipe(x)
+        assert (info.value.stage, info.value.worker, info.value.microbatch) == (1, "worker2", 0)
+    with Pipe(model, chunks=2, checkpoint="never", balance=[3, 2], workers=cluster.names[:2]) as pipe:
+        check_transparent(pipe, model, x)
 
 
 def test_backward_in_a_context_whose_forward_failed_is_refused_at_once(cluster):
