@@ -80,7 +80,10 @@ class _Hop(torch.autograd.Function):
     def forward(ctx: Any, callback: Callable[[], None], tensor: Tensor, *phonies: Tensor) -> tuple[Tensor, Tensor]:
         ctx.callback = callback
         ctx.phony_devices = [p.device for p in phonies]
-        return tensor.detach(), torch.empty(0)
+        out = tensor.detach()
+        if not tensor.requires_grad:  # it stays so (autograd would mark it for the phonies' sake)
+            ctx.mark_non_differentiable(out)
+        return out, torch.empty(0)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> tuple[Any, ...]:

@@ -75,6 +75,21 @@ class Split(nn.Module):
         return x[:, : x.size(1) // 2], x[:, x.size(1) // 2:] * 2
 
 
+class DetachFirst(nn.Module):
+    """Tensor -> (its detached copy: features to log, needing no gradient; the tensor times two)."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x.detach(), x * 2
+
+
+class ReadFirst(nn.Module):
+    """Reads the first tensor as NumPy (which refuses a tensor that requires grad), returns the second."""
+
+    def forward(self, xs: tuple[Tensor, Tensor]) -> Tensor:
+        xs[0].numpy()
+        return xs[1]
+
+
 class Merge(nn.Module):
     def forward(self, xs: tuple[Tensor, Tensor]) -> Tensor:
         a, b = xs

@@ -66,12 +66,14 @@ def test_hop_joins_forks_and_marks_in_one_node():
     assert p.grad is not None and p.grad.numel() == 0  # the incoming hop is reached in backward
 
 
-def test_hop_makes_a_gradient_free_output_depend_on_its_phonies():
-    p = new_phony()
-    y, _ = hop(torch.ones(2), [p], lambda: None)
-    assert y.requires_grad
-    y.sum().backward()
-    assert p.grad is not None
+def test_a_gradient_free_output_stays_so_and_its_phony_reaches_the_incoming_phonies():
+    """As in the plain module, the output needs no gradient; backward reaches the hop (and, through it,
+    the incoming hops) by the phony that travels with the output."""
+    p, calls = new_phony(), []
+    y, phony = hop(torch.ones(2), [p], lambda: calls.append(1))
+    assert not y.requires_grad and phony.requires_grad
+    phony.sum().backward()
+    assert calls == [1] and p.grad is not None
 
 
 class _Branchy(nn.Module):
@@ -137,6 +139,6 @@ def test_a_fence_without_parameters_ends_at_once():
     """No input or parameter needs a gradient: backward is the hop alone, and the fence right after it."""
     log: list = []
     wall = fence(lambda: log.append("end"), [new_phony()], torch.device("cpu"))
-    y, _ = hop(nn.ReLU()(torch.randn(2)), [wall], lambda: log.append("start"))
-    y.sum().backward()
+    _, phony = hop(nn.ReLU()(torch.randn(2)), [wall], lambda: log.append("start"))
+    phony.sum().backward()
     assert log == ["start", "end"]

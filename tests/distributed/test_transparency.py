@@ -5,7 +5,7 @@ import torch.distributed.autograd as dist_autograd
 
 from rrefpipe import Pipe
 from tests.distributed.probes import check_transparent, stage_gradients
-from tests.layers import Merge, PopSignFirst, Split, StashSign, mlp, twin
+from tests.layers import DetachFirst, Merge, PopSignFirst, ReadFirst, Split, StashSign, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,6 +99,29 @@ def test_output_whose_first_tensor_carries_no_gradient(cluster):
             dist_autograd.backward(ctx, [out.pow(2).sum()])
             grads = stage_gradients(pipe, ctx)
     torch.testing.assert_close(mask, mask_ref)
+    torch.testing.assert_close(out, out_ref)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_first_tensor_that_needs_no_gradient_arrives_so(cluster):
+    """(x.detach(), x * 2) out of a stage: the next stage and the driver get the first tensor without
+    requires_grad, as in the plain module (it came out of the stage's hop requiring grad, for the
+    phonies' sake, and NumPy refused it)."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), DetachFirst(), ReadFirst(), torch.nn.Linear(6, 3),
+                                DetachFirst())
+    reference = twin(model)
+    x = torch.randn(6, 4)
+    features_ref, out_ref = reference(x)
+    out_ref.pow(2).sum().backward()
+    with Pipe(model, chunks=2, balance=[2, 2, 1], workers=cluster.names[:3]) as pipe:
+        with dist_autograd.context() as ctx:
+            features, out = pipe(x).local_value()
+            assert not features.requires_grad and out.requires_grad
+            dist_autograd.backward(ctx, [out.pow(2).sum()])
+            grads = stage_gradients(pipe, ctx)
+    torch.testing.assert_close(features, features_ref)
     torch.testing.assert_close(out, out_ref)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
