@@ -8,6 +8,7 @@ report) and the driver turns it back into a :class:`StageError` chained to the o
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import pickle
 import re
@@ -72,11 +73,12 @@ UNREACHABLE = "the worker is unreachable"
 
 
 #: How TensorPipe and torch's RPC agent word a connection they lost, could not make or gave up on: an
-#: errno name ("EOF: end of file", "EPIPE: broken pipe", "ECONNREFUSED: ...") or "pipe closed" at the start,
-#: TensorPipe's "(this error originated at tensorpipe/...)" or the agent's timeout anywhere. A layer's own
-#: message may say "closed" or "timeout" in any words: only these forms count.
+#: errno name ("EPIPE: broken pipe", "ECONNREFUSED: ...", or TensorPipe's "EOF: end of file") or "pipe
+#: closed" at the start, TensorPipe's "(this error originated at tensorpipe/...)" or the agent's timeout
+#: anywhere. A layer's own message may say "closed", "timeout" or "ERROR:" in any words: only these forms count.
 _TIMEOUT = "RPC ran for more than set timeout"
-_TRANSPORT = re.compile(rf"^\s*(?:E[A-Z]+: |pipe closed)|\(this error originated at tensorpipe/|{_TIMEOUT}")
+_ERRNO_NAMES = "|".join(sorted({*errno.errorcode.values(), "EOF"}))
+_TRANSPORT = re.compile(rf"^\s*(?:(?:{_ERRNO_NAMES}): |pipe closed)|\(this error originated at tensorpipe/|{_TIMEOUT}")
 #: How torch reports an exception that the remote function raised: the worker answered, so it is alive.
 _REMOTE_EXCEPTION = "On WorkerInfo("
 

@@ -21,6 +21,8 @@ OWN_WORDS = [
     "timeout: the file was closed",
     "gradient of the wrong shape",
     "python_error",
+    "ERROR: gradient check failed",  # capitals and a colon, as errno names have
+    "EXPECTED: a positive scale",
     "ValueError: On WorkerInfo(id=2, name=worker2):\nValueError('I/O operation on closed file')\nTraceback ...",
     "RuntimeError: On WorkerInfo(id=1, name=worker1):\nRuntimeError('EOF: end of file (this error originated at "
     "tensorpipe/transport/uv/connection_impl.cc:132)')",  # the remote function's own failed call, re-raised
