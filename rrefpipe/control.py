@@ -25,6 +25,16 @@ __all__: list[str] = []
 T = TypeVar("T")
 
 
+def reporting(fn: Callable[..., T], *args: Any) -> T | Failure:
+    """``fn(*args)`` here; an exception comes back as a :class:`Failure`, a value, so that the driver
+    raises it with its type, message and cause (torch's RPC re-raises few types, the rest as a blob of
+    text, and prefixes the message). The driver fills in the stage."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return Failure.capture(exc, stage=-1, worker=rpc.get_worker_info().name, microbatch=None, phase=fn.__name__)
+
+
 def parameter_rrefs(pipe_id: str, index: int) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in _server(pipe_id, index).stage.module.parameters()]
 

@@ -11,7 +11,7 @@ import re
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cloudpickle
@@ -122,19 +122,23 @@ class RemoteDriver:
             verify_stage_skips(skips)  # stages built from factories: nothing checked the whole model
             routes = route(skips)
             for j, stage_routes in enumerate(routes):
-                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes)
+                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, reported=False)
         except BaseException:
             self.close()
             raise
 
     # -- control calls ---------------------------------------------------------------------------
-    def _call(self, index: int, fn: Any, *args: Any) -> Any:
-        """A synchronous control RPC to stage ``index``; failures name the stage and worker."""
+    def _call(self, index: int, fn: Any, *args: Any, reported: bool = True) -> Any:
+        """A synchronous control RPC to stage ``index``; failures name the stage and worker, and keep the
+        type of what ``fn`` raised (``reported``; an ``async_execution`` function must be called bare)."""
         self._check_open()
+        if reported:
+            fn, args = control.reporting, (fn, *args)
         try:
-            return rpc.rpc_sync(self.workers[index], fn, args=args, timeout=self.rpc_timeout)
+            result = rpc.rpc_sync(self.workers[index], fn, args=args, timeout=self.rpc_timeout)
         except Exception as exc:
-            raise self._control_failure(index, fn, exc) from exc
+            raise self._control_failure(index, args[0] if reported else fn, exc) from exc
+        return _raised_if_failed(index, result)
 
     def _control_failure(self, index: int, fn: Any, exc: Exception) -> StageError:
         return Failure.capture(exc, stage=index, worker=self.workers[index], microbatch=None, phase=fn.__name__,
@@ -151,7 +155,8 @@ class RemoteDriver:
         sent: list[Future[Any] | Exception] = []
         for j in range(len(self.infos)):
             try:
-                sent.append(rpc.rpc_async(self.workers[j], fn, args=(self.pipe_id, j, *args), timeout=self.rpc_timeout))
+                sent.append(rpc.rpc_async(self.workers[j], control.reporting, args=(fn, self.pipe_id, j, *args),
+                                          timeout=self.rpc_timeout))
             except Exception as exc:  # refused before it left (a worker known to be gone)
                 sent.append(exc)
         results = []
@@ -159,9 +164,10 @@ class RemoteDriver:
             if isinstance(call, Exception):
                 raise self._control_failure(j, fn, call) from call
             try:
-                results.append(call.wait())
+                result = call.wait()
             except Exception as exc:
                 raise self._control_failure(j, fn, exc) from exc
+            results.append(_raised_if_failed(j, result))
         return results
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
@@ -460,6 +466,13 @@ def _refuse_local_backward(output: TensorOrTensors) -> None:
     for t in microbatch.as_tensors(output):
         if t.requires_grad:
             t.register_hook(check)
+
+
+def _raised_if_failed(index: int, result: Any) -> Any:
+    """A control call's result; raised where it is a :class:`Failure` (see ``control.reporting``)."""
+    if isinstance(result, Failure):
+        raise replace(result, stage=index).to_exception()
+    return result
 
 
 def _pickled(spec: StageSpec, workers: Sequence[str]) -> bytes:

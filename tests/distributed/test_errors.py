@@ -202,4 +202,21 @@ def test_a_factory_error_is_the_factorys_not_a_lost_worker(cluster):
     error = info.value
     assert isinstance(error, ValueError) and not isinstance(error, WorkerError)
     assert (error.stage, error.worker, error.phase) == (1, cluster.names[1], "create_stage")
-    assert "I/O operation on closed file" in error.error_message
+    assert error.error_message == "I/O operation on closed file"  # not torch's "On WorkerInfo(...)" wrapping
+    assert isinstance(error.__cause__, ValueError)
+
+
+def _factory_missing_a_key() -> nn.Module:
+    return nn.Linear({"width": 2}["height"], 2)
+
+
+def test_a_factory_error_keeps_its_type_and_cause(cluster):
+    """Torch's RPC re-raises a KeyError from a remote function as a RuntimeError whose message is the
+    remote traceback's text; a stage built on its worker reports its own error as any layer's."""
+    with pytest.raises(StageError) as info:
+        Pipe.from_factories([_factory_missing_a_key, lambda: nn.Linear(2, 2)], workers=cluster.names[:2])
+    error = info.value
+    assert (error.stage, error.worker, error.phase) == (0, cluster.names[0], "create_stage")
+    assert error.error_type == "KeyError"
+    assert error.error_message == "'height'" and isinstance(error.__cause__, KeyError)
+
