@@ -393,11 +393,11 @@ class RemoteDriver:
         except Exception as exc:
             raise _first_cause([Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward",
                                                 transport=True)]) from None
-        if meta.deliver_to is not None:
-            report.add_done_callback(lambda _: collector.done.set())
-            collector.done.wait()
-            if not report.done():
-                return  # the output is in; the report is still on its way
+        # Wait on an Event, which Ctrl-C interrupts, not in the future's own wait, which it does not.
+        report.add_done_callback(lambda _: collector.done.set())
+        collector.done.wait()
+        if meta.deliver_to is not None and not report.done():
+            return  # the output is in; the report is still on its way
         try:
             failures = report.wait()
         except Exception as exc:

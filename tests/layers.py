@@ -456,3 +456,26 @@ class AwaitsRecomputes(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return _AwaitRecomputes.apply(x, self)
+
+
+# -- Ctrl-C while a step is held ----------------------------------------------------------------------
+class InterruptDriverAndHold(nn.Module):
+    """Sends SIGINT to the process that started its worker in its first forward there, then holds the
+    step until that process creates ``folder/released`` (30 s at most), and then leaves ``folder/left``:
+    a driver whose wait Ctrl-C interrupts sees KeyboardInterrupt while the step is held (no file yet)."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+        self.fired = False
+        self.built_in = os.getpid()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fired and os.getpid() != self.built_in:
+            self.fired = True
+            os.kill(os.getppid(), signal.SIGINT)
+            released, deadline = Path(self.folder) / "released", time.monotonic() + 30
+            while not released.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (Path(self.folder) / "left").touch()
+        return x * 1

@@ -229,6 +229,31 @@ def test_ctrl_c_during_a_forward_interrupts_it_and_the_pipe_still_trains():
     assert v["next_steps"] == "ok"
 
 
+@pytest.mark.parametrize("remote_output", [False, True])
+def test_ctrl_c_reaches_the_caller_while_the_step_is_still_held(tmp_path, remote_output):
+    """The forward waits where Ctrl-C can interrupt it, also with the output kept on the last worker
+    (there it waited in the RPC future, which KeyboardInterrupt reached only when the step ended)."""
+    v = _run("Ctrl-C during a held step", f"""
+        from pathlib import Path
+        folder = {str(tmp_path)!r}
+        model = nn.Sequential(nn.Linear(4, 6), layers.InterruptDriverAndHold(folder), nn.Linear(6, 2))
+        pipe = Pipe(model, chunks=2, balance=[1, 2], remote_output={remote_output}, rpc_timeout=60)
+        try:
+            with torch.no_grad():
+                pipe(torch.randn(4, 4))
+            report(interrupted=False)
+        except KeyboardInterrupt:
+            held = not (Path(folder) / "left").exists()
+            (Path(folder) / "released").touch()
+            report(interrupted=True, held=held)
+        with torch.no_grad():  # the abandoned step ends on the workers; the pipe goes on
+            torch.testing.assert_close(pipe(torch.ones(2, 4)).to_here(), model(torch.ones(2, 4)))
+        report(next_step="ok")
+        pipe.close()
+    """)
+    assert (v["interrupted"], v["held"], v["next_step"]) == ("True", "True", "ok")
+
+
 def test_interpreter_exit_with_a_dead_worker_is_prompt():
     start = time.monotonic()
     v = _run("exit with a dead worker", """
