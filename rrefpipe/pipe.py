@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +35,8 @@ from .stage import StageInfo
 from .trace import Event
 
 __all__ = ["Pipe"]
+
+_releasing = threading.Lock()
 
 StageFactory = Callable[[], nn.Module]
 
@@ -436,11 +439,10 @@ class Pipe(nn.Module):
         _release(_close_abandoned())
 
     def _stop_local_workers(self) -> None:
-        if self._local_workers is not None:
-            release_embedded = _worker_module("launch").release_embedded
-
-            release_embedded(self._local_workers)
-            self._local_workers = None
+        with _releasing:  # two threads closing one pipe release its share of the workers once
+            workers, self._local_workers = self._local_workers, None
+        if workers is not None:
+            _worker_module("launch").release_embedded(workers)
 
     def __enter__(self) -> Pipe:
         return self

@@ -101,3 +101,27 @@ def test_a_late_delivery_leaves_no_autograd_context_on_the_driver(cluster):
         rpc.rpc_sync(worker, deliver_late_in_the_callers_context,
                      args=(me, "no-such-pipe", torch.ones(2, requires_grad=True)))
         assert _rpc.context_exists(ctx)
+
+
+def test_closing_a_pipe_from_two_threads_releases_its_share_of_the_workers_once(monkeypatch):
+    """A second close() that starts while the first releases the embedded workers finds nothing left
+    to release (it released them again: the shared group's count fell to zero, and another open pipe
+    lost its workers)."""
+    import threading
+    import types
+
+    import workers.launch as launch
+
+    released = []
+    pipe = types.SimpleNamespace(_local_workers="the pipe's share")
+
+    def release(share):
+        released.append(share)
+        if len(released) == 1:  # the other close() runs now, in the middle of this one
+            other = threading.Thread(target=Pipe._stop_local_workers, args=(pipe,))
+            other.start()
+            other.join(timeout=10)
+
+    monkeypatch.setattr(launch, "release_embedded", release)
+    Pipe._stop_local_workers(pipe)
+    assert released == ["the pipe's share"] and pipe._local_workers is None
