@@ -196,7 +196,7 @@ class Pipe(nn.Module):
                    microbatches_per_message: int) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        if rpc_timeout <= 0:
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
         self.microbatches_per_message = check_chunks(microbatches_per_message, "microbatches_per_message")
         self.remote_output = remote_output
@@ -566,6 +566,8 @@ def _devices(devices: Sequence[str | torch.device] | None, count: int | None) ->
 
     if devices is None:
         return None
+    if len(devices) == 0:
+        raise ValueError("devices is empty: name a device for each stage, or leave devices out")
     out = []
     for d in devices:
         try:
