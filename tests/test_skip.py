@@ -153,3 +153,19 @@ def test_stage_lines_tell_isolated_skips_of_one_name_apart():
     a, b = Namespace(), Namespace()
     info = StageInfo(0, "worker1", "cpu", ("0: Stash",), 0, stashes=((a, "x"), (b, "x"), (DEFAULT, "y")))
     assert f"stash ['x ({a.id[:8]})', 'x ({b.id[:8]})', 'y'] pop []" in str(info)
+
+
+def test_stages_whose_namespaces_were_made_apart_are_told_why_they_do_not_pair():
+    """Factories that import a module making a Namespace get one per worker: the names look paired but
+    are not, and the error says where a namespace must come from."""
+    on_worker1, on_worker2 = Namespace(), Namespace()
+    with pytest.raises(TypeError, match="make it in the driver's script and pass it to the factories"):
+        verify_stage_skips([([(on_worker1, "s")], []), ([], [(on_worker2, "s")])])
+    with pytest.raises(TypeError) as info:  # default names: nothing about namespaces
+        verify_stage_skips([([(DEFAULT, "s")], []), ([], [(DEFAULT, "t")])])
+    assert "Namespace is one object" not in str(info.value)
+
+
+def test_namespaces_sort_as_torchs_did():
+    first, second = sorted([Namespace("b"), Namespace("a")])
+    assert (first.id, second.id) == ("a", "b")

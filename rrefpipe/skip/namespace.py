@@ -10,7 +10,8 @@ __all__ = ["Namespace", "DEFAULT"]
 class Namespace:
     """A namespace for skip names: ``block.isolate(Namespace())`` keeps its names apart from others.
 
-    Equal across processes (compared by a UUID), so skip routes hold on every stage worker.
+    Equal across processes (compared by a UUID), so skip routes hold on every stage worker: one object
+    sent to them, not one made on each (a stage factory's own, or one its module makes on import).
     """
 
     __slots__ = ("id",)
@@ -26,6 +27,9 @@ class Namespace:
 
     def __hash__(self) -> int:
         return hash(self.id)
+
+    def __lt__(self, other: Namespace) -> bool:  # skip keys sort, as torch's namespaces did
+        return self.id < other.id
 
     def __reduce__(self) -> tuple[Any, ...]:
         return Namespace, (self.id,)

@@ -160,16 +160,21 @@ def verify_stage_skips(stage_skips: Sequence[tuple[Sequence[SkipKey], Sequence[S
             stashes.setdefault(key, []).append((j, str(j)))
         for key in popped:
             pops.setdefault(key, []).append((j, str(j)))
-    _check_pairs(stashes, pops, "stage", pop_in_place=True)
+    _check_pairs(stashes, pops, "stage", pop_in_place=True, hint=(
+        "a Namespace is one object, compared across processes by its id: factories that make their own (or "
+        "import a module that makes one) get a different one on each worker; make it in the driver's script "
+        "and pass it to the factories"))
 
 
 def _check_pairs(stashes: dict[SkipKey, list[tuple[int, str]]], pops: dict[SkipKey, list[tuple[int, str]]],
-                 kind: str, pop_in_place: bool) -> None:
+                 kind: str, pop_in_place: bool, hint: str = "") -> None:
     """Raise ``TypeError`` listing every skip name without exactly one stash and one later pop; places are
     (order, label) of the ``kind`` ("layer", "stage") that stashes or pops; ``pop_in_place``: a pop at
-    the stash's own place is later."""
+    the stash's own place is later. ``hint`` ends the message where an isolated name is in it."""
     problems = []
-    for key in sorted(set(stashes) | set(pops), key=lambda k: (k[1], k[0].id)):
+    isolated = False
+    for key in sorted(set(stashes) | set(pops), key=lambda k: (k[1], k[0])):
+        problems_before = len(problems)
         name = f"{key[1]!r}" + ("" if key[0] == DEFAULT else f" in {key[0]}")
         by, at = stashes.get(key, []), pops.get(key, [])
         if len(by) > 1:
@@ -183,8 +188,10 @@ def _check_pairs(stashes: dict[SkipKey, list[tuple[int, str]]], pops: dict[SkipK
             problems.append(f"{name} is popped by {kind} {_names(at)} but never stashed")
         if len(by) == 1 and len(at) == 1 and (at[0][0] < by[0][0] or (at[0][0] == by[0][0] and not pop_in_place)):
             problems.append(f"{name} is popped by {kind} {_names(at)} before it is stashed by {kind} {_names(by)}")
+        isolated = isolated or (len(problems) > problems_before and key[0] != DEFAULT)
     if problems:
-        raise TypeError("skip connections do not pair up:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise TypeError("skip connections do not pair up:\n" + "\n".join(f"  - {p}" for p in problems)
+                        + (f"\n({hint})" if hint and isolated else ""))
 
 
 def _names(places: list[tuple[int, str]]) -> str:
