@@ -171,7 +171,7 @@ def _check_pairs(stashes: dict[SkipKey, list[tuple[int, str]]], pops: dict[SkipK
     """Raise ``TypeError`` listing every skip name without exactly one stash and one later pop; places are
     (order, label) of the ``kind`` ("layer", "stage") that stashes or pops; ``pop_in_place``: a pop at
     the stash's own place is later. ``hint`` ends the message where an isolated name is in it."""
-    problems = []
+    problems: list[str] = []
     isolated = False
     for key in sorted(set(stashes) | set(pops), key=lambda k: (k[1], k[0])):
         problems_before = len(problems)
