@@ -85,6 +85,7 @@ class LocalWorkers:
         self.refs = 0
         self._procs: list[subprocess.Popen[bytes]] = []
         self._started = False
+        self._owner: int | None = None  # the process that started the workers
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> LocalWorkers:
@@ -111,6 +112,7 @@ class LocalWorkers:
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(key, str(self.threads))
         env[DRIVER_SYS_PATH] = json.dumps([os.path.abspath(p) for p in sys.path])
+        self._owner = os.getpid()
         world = self.num_workers + 1
         for rank, name in enumerate(self.names, start=1):
             cmd = [sys.executable, "-c", _RUN_THIS_PACKAGE, "--rank", str(rank), "--world-size", str(world),
@@ -158,9 +160,15 @@ class LocalWorkers:
         return args
 
     def close(self) -> None:
-        """Stop the workers and leave the RPC group; returns promptly even if a worker is dead."""
+        """Stop the workers and leave the RPC group; returns promptly even if a worker is dead.
+
+        Only in the process that started them: a child forked from it (``os.fork``) inherits this object
+        and its exit hooks, but neither the RPC agent's threads nor the worker processes as children, and
+        its ``stop_workers`` waited forever on replies no thread was left to receive."""
         from rrefpipe import _rpc
 
+        if self._owner != os.getpid():
+            return
         if self._started:
             self._started = False
             if _rpc.is_initialized():  # the user may have shut RPC down already
@@ -194,7 +202,14 @@ class LocalWorkers:
 
     @property
     def running(self) -> bool:
-        return self._started
+        """Started, and RPC not shut down since (a user's own ``rpc.shutdown()`` ends the group too)."""
+        from rrefpipe import _rpc
+
+        return self._started and _rpc.is_initialized()
+
+    def exited(self) -> dict[str, int]:
+        """The workers whose process has exited, with their exit status."""
+        return {name: code for name, code in zip(self.names, (p.poll() for p in self._procs)) if code is not None}
 
     def __enter__(self) -> LocalWorkers:
         return self if self._started else self.start()
@@ -212,18 +227,31 @@ def acquire_embedded(num_workers: int, *, devices: Sequence[str] | None, rpc_tim
     (counted), so closing one pipe never stops another's stages."""
     global _embedded
     with _embedded_lock:
-        if _embedded is not None and _embedded.running:
-            if num_workers > _embedded.num_workers:
-                raise ValueError(f"this pipe needs {num_workers} local stage workers, but another open pipe started "
-                                 f"{_embedded.num_workers}: close it first, or start "
-                                 f"workers.LocalWorkers({num_workers}) yourself and pass workers=")
-            if devices is not None and list(devices) != (_embedded.devices or [])[:num_workers]:
-                raise ValueError(f"the local workers of another open pipe use devices {_embedded.devices}, this "
-                                 f"pipe asks for {list(devices)}: close it first")
-        else:
+        if _embedded is not None and not _embedded.running:
+            _embedded.close()  # stopped, or RPC shut down under it: reap what is left and start afresh
+            _embedded = None
+        if _embedded is None:
             _embedded = LocalWorkers(num_workers, devices=devices, rpc_timeout=rpc_timeout).start()
+        else:
+            _check_shareable(_embedded, num_workers, devices)
         _embedded.refs += 1
         return _embedded
+
+
+def _check_shareable(workers: LocalWorkers, num_workers: int, devices: Sequence[str] | None) -> None:
+    """Refuse the open pipes' group to a pipe it cannot serve. A ValueError, as ``Pipe`` gives up the holds
+    of pipes dropped without ``close()`` on one and tries again: the last hold gone, a new group starts."""
+    exited = workers.exited()
+    if exited:
+        raise ValueError(f"local stage workers of another open pipe have exited (status: {exited}): close that pipe "
+                         "first (pipe.close()); the next pipe then starts new workers")
+    if num_workers > workers.num_workers:
+        raise ValueError(f"this pipe needs {num_workers} local stage workers, but another open pipe started "
+                         f"{workers.num_workers}: close it first, or start "
+                         f"workers.LocalWorkers({num_workers}) yourself and pass workers=")
+    if devices is not None and list(devices) != (workers.devices or [])[:num_workers]:
+        raise ValueError(f"the local workers of another open pipe use devices {workers.devices}, this "
+                         f"pipe asks for {list(devices)}: close it first")
 
 
 def embedded_running() -> bool:
@@ -240,6 +268,7 @@ def release_embedded(workers: LocalWorkers) -> None:
 
 @atexit.register
 def _close_all() -> None:
+    """At exit, stop the workers this process started (a forked child's copies are left alone: ``close``)."""
     with _live_lock:
         live = list(_live)
     for workers in live:

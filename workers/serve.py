@@ -1,9 +1,11 @@
 """The stage-worker runtime: join the RPC group, serve stages, leave when told or when the driver is gone.
 
 TensorPipe's graceful shutdown hangs forever once a peer is dead (measured with torch 2.13), so a
-worker never uses it. It waits for a ``stop`` RPC, for its driver to stop answering pings, for the
-rendezvous store to stop answering, or (for local workers) for its stdin pipe from the driver to
-close, then shuts down non-gracefully.
+worker never uses it. It waits for a ``stop`` RPC, for a ping to find its driver's connection lost,
+for the rendezvous store to stop answering, or (for local workers) for its stdin pipe from the driver
+to close, then shuts down non-gracefully. A ping that only times out is no such sign while the store
+or the stdin pipe is watched: a live driver holding the GIL (a long C call) answers no ping, yet those
+watches still see its process, and they exit this one themselves when it is gone.
 
 Why the store as well as the ping: an RPC completes, even with an error, only on the worker's RPC
 thread, and a stage worker has one (``workers.options.STAGE_RPC_THREADS``). A stage body that never
@@ -21,7 +23,7 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import torch
 import torch.distributed.rpc as rpc
@@ -64,21 +66,25 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _watch_store(name: str, interval: float) -> None:
-    """Exit the process once the rendezvous store at MASTER_ADDR:MASTER_PORT misses two checks in a row.
-
-    Exits directly (``os._exit``): the main thread may be stuck in a ping, or in ``rpc.shutdown`` waiting
-    for the RPC thread that a hung stage body holds."""
+def _driver_store(name: str, interval: float) -> torch.distributed.TCPStore | None:
+    """A client of the rendezvous store at MASTER_ADDR:MASTER_PORT, or None when there is none to watch."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
-        return  # no TCP store to watch: the ping alone decides
+        return None
     timeout = timedelta(seconds=max(2 * interval, 5.0))
     try:
-        store = torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        return torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     except Exception as exc:
         log.warning("worker %s: cannot watch the rendezvous store %s:%s (%s); relying on pings", name, addr, port,
                     _first_line(exc))
-        return
+        return None
+
+
+def _watch_store(store: torch.distributed.TCPStore, name: str, interval: float) -> None:
+    """Exit the process once the rendezvous store misses two checks in a row.
+
+    Exits directly (``os._exit``): the main thread may be stuck in a ping, or in ``rpc.shutdown`` waiting
+    for the RPC thread that a hung stage body holds."""
     misses = 0
     while not _stop.wait(interval):
         try:
@@ -87,9 +93,20 @@ def _watch_store(name: str, interval: float) -> None:
         except Exception as exc:
             misses += 1
             if misses >= 2 and not _stop.is_set():
-                log.warning("worker %s: the rendezvous store %s:%s is gone (%s); leaving", name, addr, port,
-                            _first_line(exc))
+                log.warning("worker %s: the rendezvous store %s:%s is gone (%s); leaving", name, store.host,
+                            store.port, _first_line(exc))
                 os._exit(0)
+
+
+def _start_watches(name: str, interval: float, watch_stdin: bool) -> bool:
+    """Start the threads that exit this process once the driver's process is gone; whether any runs."""
+    if watch_stdin:
+        threading.Thread(target=_watch_stdin, args=(interval,), name="rrefpipe-stdin-watch", daemon=True).start()
+    store = _driver_store(name, interval)
+    if store is not None:
+        threading.Thread(target=_watch_store, args=(store, name, interval), name="rrefpipe-store-watch",
+                         daemon=True).start()
+    return watch_stdin or store is not None
 
 
 def _freeze_start_up_objects() -> None:
@@ -149,27 +166,54 @@ def serve(
     init_rpc(name, rank=rank, world_size=world_size, options=options)
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
+    _check_driver_joined(name, driver)
     _freeze_start_up_objects()
-    if watch_stdin:
-        threading.Thread(target=_watch_stdin, args=(ping_interval,), name="rrefpipe-stdin-watch", daemon=True).start()
-    threading.Thread(target=_watch_store, args=(name, ping_interval), name="rrefpipe-store-watch", daemon=True).start()
-    misses = 0
-    graceful = False
-    while not _stop.wait(ping_interval):
-        try:
-            graceful = not rpc.rpc_sync(driver, alive, timeout=max(2 * ping_interval, 5.0))
-            misses = 0
-        except Exception as exc:
-            misses += 1
-            if misses >= 2 or "timeout" not in str(exc).lower():
-                log.warning("worker %s: driver %r is gone (%s); leaving", name, driver, exc)
-                break
-        if graceful:
-            break
+    watched = _start_watches(name, ping_interval, watch_stdin)
+    graceful = _ping_driver(name, driver, ping_interval, watched)
     _leave(graceful, timeout=max(10 * ping_interval, 30.0))
 
 
-def _leave(graceful: bool, timeout: float) -> None:
+def _check_driver_joined(name: str, driver: str) -> None:
+    """Leave with status 1 when no member of the group is called ``driver``: every ping would fail
+    ("could not find destination name") and the worker would leave blaming a dead driver."""
+    from rrefpipe import _rpc
+
+    names = _rpc.worker_names()
+    if driver not in names:
+        log.error("worker %s: the group has no driver named %r (its members: %s); start the worker with "
+                  "--driver NAME, the name the driver gave rpc.init_rpc (rank 0 here: %r); leaving",
+                  name, driver, ", ".join(names), names[0])
+        _leave(False, timeout=0.0, status=1)
+
+
+def _timed_out(exc: Exception) -> bool:
+    return "timeout" in str(exc).lower()
+
+
+def _ping_driver(name: str, driver: str, interval: float, watched: bool) -> bool:
+    """Ping the driver until told to stop or it is gone; True when it waits in a graceful shutdown.
+
+    A lost connection means the driver process is gone. A timeout only means it did not answer in
+    time: it may hold the GIL. ``watched`` (the store or stdin watch runs, see :func:`_start_watches`):
+    those see the process itself, so timeouts never make the worker leave; without them two in a row do.
+    """
+    misses = 0
+    while not _stop.wait(interval):
+        try:
+            if not rpc.rpc_sync(driver, alive, timeout=max(2 * interval, 5.0)):
+                return True
+            misses = 0
+        except Exception as exc:
+            misses += 1
+            if not _timed_out(exc) or (misses >= 2 and not watched):
+                log.warning("worker %s: driver %r is gone (%s); leaving", name, driver, exc)
+                return False
+            if misses == 1:
+                log.info("worker %s: driver %r did not answer a ping (%s); waiting", name, driver, exc)
+    return False
+
+
+def _leave(graceful: bool, timeout: float, status: int = 0) -> NoReturn:
     """Leave the group and exit. ``graceful``: join the driver's graceful ``rpc.shutdown()`` (a user's,
     at the end of a script), which would otherwise wait for this worker forever; otherwise leave alone,
     which never waits for anyone."""
@@ -177,7 +221,7 @@ def _leave(graceful: bool, timeout: float) -> None:
         rpc.shutdown(graceful=graceful, timeout=timeout)
     except Exception as exc:  # the graceful one's barrier failed; it has shut this worker down anyway
         log.warning("graceful shutdown with the driver failed (%s); leaving", _first_line(exc))
-    os._exit(0)  # TensorPipe threads can outlive shutdown; nothing else is left to flush
+    os._exit(status)  # TensorPipe threads can outlive shutdown; nothing else is left to flush
 
 
 def stop_workers(names: list[str], timeout: float = 2.0) -> None:

@@ -1,0 +1,150 @@
+"""Stage workers' life cycle around their driver: a driver that is slow to answer, a child forked from it,
+the user's own ``rpc.shutdown()``, a dead worker in a shared group, a driver of another name.
+Each scenario runs in fresh interpreters (their own RPC state)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, run_script, wait_gone
+from workers import free_port
+
+
+def _values(out: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in out.splitlines() if line.startswith(key + "=")]
+
+
+@pytest.mark.timeout(120)
+def test_workers_stay_with_a_driver_that_holds_the_gil():
+    """A live driver in a long C call that keeps the GIL answers no ping: 16 s is more than two ping
+    timeouts in a row, after which workers used to leave. Its store and stdin pipe say it is alive."""
+    out = run_script("""
+        import ctypes, torch
+        from torch import nn
+        from rrefpipe import Pipe
+        from tests.conftest import pid_alive
+        with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=1, balance=[1, 1]) as pipe:
+            with torch.no_grad():
+                pipe(torch.randn(2, 4))
+            ctypes.PyDLL(None).sleep(16)   # libc's sleep, called with the GIL held
+            print("alive=" + str(all(pid_alive(p) for p in pipe._local_workers.pids)))
+            with torch.no_grad():
+                print("shape=" + str(tuple(pipe(torch.randn(2, 4)).local_value().shape)))
+    """, timeout=110)
+    assert _values(out.stdout, "alive") == ["True"] and _values(out.stdout, "shape") == ["(2, 4)"]
+
+
+@pytest.mark.timeout(120)
+def test_a_child_forked_from_the_driver_exits_and_leaves_the_workers_alone():
+    """A child forked from the driver (as some data loading does) runs the driver's exit hooks when it
+    exits: it used to wait forever to stop workers that are not its own."""
+    out = run_script("""
+        import os, sys, threading, torch
+        from torch import nn
+        from rrefpipe import Pipe
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=1, balance=[1, 1])
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)   # a normal exit: atexit hooks run
+        waiter = threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True)
+        waiter.start()
+        waiter.join(timeout=30)
+        print("child_exited=" + str(not waiter.is_alive()))
+        if waiter.is_alive():
+            os.kill(pid, 9)
+        with torch.no_grad():
+            print("shape=" + str(tuple(pipe(torch.randn(2, 4)).local_value().shape)))
+        pipe.close()
+    """, timeout=110)
+    assert _values(out.stdout, "child_exited") == ["True"] and _values(out.stdout, "shape") == ["(2, 4)"]
+
+
+@pytest.mark.timeout(120)
+def test_a_pipe_after_the_users_own_rpc_shutdown_starts_new_workers():
+    """The user's ``rpc.shutdown()`` ends the embedded group under its open pipe: the next pipe starts a
+    new one instead of failing with torch's "RPC has not been initialized"."""
+    out = run_script("""
+        import torch, torch.distributed.rpc as rpc
+        from torch import nn
+        from rrefpipe import Pipe
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        first = Pipe(model, chunks=1, balance=[1, 1])
+        print("old=" + " ".join(map(str, first._local_workers.pids)))
+        rpc.shutdown()
+        with Pipe(model, chunks=1, balance=[1, 1]) as second, torch.no_grad():
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(second(x).local_value(), model(x))
+            print("new=" + " ".join(map(str, second._local_workers.pids)))
+        first.close()
+    """, timeout=110)
+    old, new = (set(_values(out.stdout, key)[0].split()) for key in ("old", "new"))
+    assert not old & new
+    wait_gone([int(p) for p in old], within=10)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_of_an_open_pipe_is_named_until_that_pipe_is_closed():
+    """A pipe built while another open pipe's worker is dead says which one and what to do; once that
+    pipe is closed, or dropped without ``close()``, the next pipe starts new workers."""
+    out = run_script("""
+        import gc, os, signal, torch
+        from torch import nn
+        from rrefpipe import Pipe
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        x = torch.randn(2, 4)
+
+        def kill_worker2(pipe):
+            os.kill(pipe._local_workers.pids[1], signal.SIGKILL)
+            pipe._local_workers._procs[1].wait()
+
+        pipe = Pipe(model, chunks=1, balance=[1, 1])
+        kill_worker2(pipe)
+        try:
+            Pipe(model, chunks=1, balance=[1, 1])
+        except ValueError as exc:
+            print("error=" + str(exc))
+        pipe.close()
+        with Pipe(model, chunks=1, balance=[1, 1]) as pipe, torch.no_grad():
+            print("closed_then=" + str(tuple(pipe(x).local_value().shape)))
+        pipe = Pipe(model, chunks=1, balance=[1, 1])
+        kill_worker2(pipe)
+        del pipe
+        gc.collect()
+        with Pipe(model, chunks=1, balance=[1, 1]) as pipe, torch.no_grad():
+            print("dropped_then=" + str(tuple(pipe(x).local_value().shape)))
+    """, timeout=110)
+    error = _values(out.stdout, "error")
+    assert error and "{'worker2': -9}" in error[0] and "close that pipe first" in error[0], out.stdout
+    assert _values(out.stdout, "closed_then") == ["(2, 4)"] and _values(out.stdout, "dropped_then") == ["(2, 4)"]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_joined_by_a_driver_of_another_name_says_which_option_to_use():
+    """``python -m workers`` watches a driver called "driver"; a group whose rank 0 is "master" (torch's
+    tutorials) made it leave two seconds after joining, blaming a dead driver."""
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    driver_code = """
+        import sys, torch.distributed.rpc as rpc
+        from workers import backend_options
+        rpc.init_rpc("master", rank=0, world_size=2, rpc_backend_options=backend_options())
+        sys.stdin.read()   # stay in the group until the test is done
+        rpc.shutdown(graceful=False)
+    """
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(driver_code)], cwd=ROOT, env=env,
+                              stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([sys.executable, "-m", "workers", "--rank", "1", "--world-size", "2"], cwd=ROOT,
+                              env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = worker.communicate(timeout=60)
+        assert worker.returncode == 1, err
+        assert "the group has no driver named 'driver' (its members: master, worker1)" in err
+        assert "start the worker with --driver NAME" in err and "(rank 0 here: 'master')" in err
+    finally:
+        for proc in (worker, driver):
+            proc.kill()
+            proc.wait(timeout=10)
