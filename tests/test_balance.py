@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+import weakref
 
 import pytest
 import torch
@@ -105,6 +106,32 @@ def test_profiling_leaves_the_model_and_rng_untouched(how, training):
     assert before.keys() == after.keys()
     for key in before:  # BatchNorm running statistics and the weights unchanged
         assert torch.equal(before[key], after[key]), key
+
+
+class _CountsCopies(nn.Linear):
+    """Counts its copies alive at once: each one, when it runs, joins a set that forgets the dropped."""
+
+    alive: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    most = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).alive.add(self)
+        type(self).most = max(type(self).most, len(type(self).alive))
+        return torch.tanh(super().forward(x))
+
+
+@pytest.mark.parametrize("how", ["time", "size"])
+def test_profiling_copies_one_layer_at_a_time(how):
+    """A model balanced because it is too large for one device never goes to the profiling device whole:
+    each layer's copy is dropped before the next is made (all were copied at once, 2× the model)."""
+    model = nn.Sequential(*[_CountsCopies(8, 8) for _ in range(6)])
+    _CountsCopies.most = 0
+    sample = torch.randn(4, 8)
+    if how == "time":
+        layer_times(model, sample, timeout=0.05)
+    else:
+        layer_sizes(model, sample, chunks=2)
+    assert _CountsCopies.most == 1
 
 
 def tuple_model() -> nn.Sequential:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -39,13 +39,21 @@ def _check_module(module: object) -> nn.Sequential:
 
 
 @contextmanager
-def sandbox(module: nn.Sequential, device: torch.device) -> Iterator[list[nn.Module]]:
-    """Deep copies of the layers on ``device`` in training mode; the RNG state (torch, and CUDA for a CUDA
-    device) is restored on exit. ``module`` itself (parameters, gradients, training flag) is never touched."""
+def sandbox(module: nn.Sequential, device: torch.device) -> Iterator[Callable[[], Iterator[nn.Module]]]:
+    """A maker of passes over the layers: each pass yields a deep copy of one layer at a time, on ``device``
+    in training mode, made when it is reached; a copy lives until the caller moves on. Balancing is for
+    models too large for one device: the whole model never goes to ``device`` at once. The RNG state
+    (torch, and CUDA for a CUDA device) is restored on exit; ``module`` itself (parameters, gradients,
+    training flag) is never touched."""
     _check_module(module)
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+
+    def copies() -> Iterator[nn.Module]:
+        for layer in module:
+            yield copy.deepcopy(layer).to(device).train()
+
     with torch.random.fork_rng(devices=cuda):
-        yield [copy.deepcopy(layer).to(device).train() for layer in module]
+        yield copies
 
 
 def _prepare(sample: TensorOrTensors, device: torch.device, where: str) -> TensorOrTensors:
@@ -86,7 +94,7 @@ def _blamed_on(index: int, layer: nn.Module) -> Iterator[None]:
         raise
 
 
-def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.device) -> list[float]:
+def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: torch.device) -> list[float]:
     """One forward+backward of every layer on its own (input: the previous layer's output, detached)."""
     times = []
     value = _prepare(sample, device, "sample")
@@ -103,8 +111,7 @@ def _timed_pass(layers: list[nn.Module], sample: TensorOrTensors, device: torch.
                 torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         _sync(device)
         times.append(time.perf_counter() - start)
-        for p in layer.parameters():
-            p.grad = None
+        del out, outputs, layer  # this layer's copy and graph go before the next copy is made
     return times
 
 
@@ -121,12 +128,12 @@ def layer_times(module: nn.Sequential, sample: TensorOrTensors, *, timeout: floa
     if timeout < 0:
         raise ValueError(f"timeout must be non-negative seconds, got {timeout!r}")
     dev = resolve_device(module, device)
-    with sandbox(module, dev) as layers:
-        _timed_pass(layers, sample, dev)
+    with sandbox(module, dev) as copies:
+        _timed_pass(copies(), sample, dev)
         passes: list[list[float]] = []
         start = time.perf_counter()
         while not passes or time.perf_counter() - start < timeout:
-            passes.append(_timed_pass(layers, sample, dev))
+            passes.append(_timed_pass(copies(), sample, dev))
     return [statistics.median(per_layer) for per_layer in zip(*passes)]
 
 
@@ -153,10 +160,11 @@ def param_bytes(layer: nn.Module) -> int:
 
 
 def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, int]],
-                 copies: dict[tuple[str, int], Tensor]) -> tuple[int, object]:
+                 copies: dict[tuple[str, int], Tensor], held: list[Tensor]) -> tuple[int, object]:
     """Run ``layer`` counting the bytes autograd saves for backward: storages not counted before (``seen``),
     not parameters or buffers. ``copies``: by storage, the tensor each input copy stands for (in a pipe a
-    layer's input is the previous layer's output itself, maybe a view of a larger storage)."""
+    layer's input is the previous layer's output itself, maybe a view of a larger storage). What is counted
+    goes into ``held``: storages are told apart by address, which a freed one would pass on."""
     own = {storage_key(t) for t in [*layer.parameters(), *layer.buffers()]}
     total = 0
 
@@ -166,6 +174,7 @@ def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, 
         key = storage_key(counted)
         if key not in own and key not in seen:
             seen.add(key)
+            held.append(counted.detach())  # its storage, not its graph (which holds the layer's copy)
             total += storage_bytes(counted)
         return t
 
@@ -200,11 +209,11 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
     micro = microbatch.scatter(input, chunks)[0]
     dev = resolve_device(module, device)
     sizes, seen, copies = [], set[tuple[str, int]](), dict[tuple[str, int], Tensor]()
-    kept: list[object] = []  # every layer's input and output (and what it saves) stay: no memory is reused
+    held: list[Tensor] = []  # (not on CUDA) inputs and what was counted: no later tensor gets their addresses
     stashes = DetachingTracker()
-    with sandbox(module, dev) as layers:
+    with sandbox(module, dev) as layer_copies:
         value = _prepare(micro, dev, "input")
-        for j, layer in enumerate(layers):
+        for j, layer in enumerate(layer_copies()):
             copied = _own_copy(value)
             for copy_, original in zip(microbatch.as_tensors(copied), microbatch.as_tensors(value)):
                 copies[storage_key(copy_)] = copies.get(storage_key(original), original)
@@ -212,9 +221,10 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
                 if dev.type == "cuda":
                     activation, out = _allocated_bytes(layer, copied, dev)
                 else:
-                    activation, out = _saved_bytes(layer, copied, seen, copies)
+                    activation, out = _saved_bytes(layer, copied, seen, copies, held)
+                    held.extend(t.detach() for t in microbatch.as_tensors(copied))
             sizes.append(int(activation + param_bytes(layer) * param_scale))
-            kept.extend((copied, out))
             value = _detach(out, f"output of layer {j}")
-        del kept
+            del out, layer  # this layer's copy and graph go before the next copy is made
+        del held
     return sizes
