@@ -148,3 +148,36 @@ def test_a_worker_joined_by_a_driver_of_another_name_says_which_option_to_use():
         for proc in (worker, driver):
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_local_workers_listen_on_loopback_only():
+    """Every socket the driver and its local workers listen on is bound to 127.0.0.1: the rendezvous
+    store's too, which torch's TCPStore binds to every interface whatever address it is given."""
+    out = run_script("""
+        import os
+        from workers import LocalWorkers
+
+        def sockets(pid):
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            return inodes
+
+        def listening(pids):
+            ours = set().union(*(sockets(pid) for pid in pids))
+            found = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                for line in open(table).read().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in ours:  # LISTEN, on a socket of these processes
+                        found.append(fields[1].rsplit(":", 1)[0])
+            return found
+
+        with LocalWorkers(2, threads=1) as group:
+            print("addresses=" + ",".join(sorted(set(listening([os.getpid(), *group.pids])))))
+    """, timeout=110)
+    addresses = _values(out.stdout, "addresses")[0].split(",")
+    assert addresses == ["0100007F"], addresses  # 127.0.0.1 as /proc/net/tcp writes it; never 0.0.0.0

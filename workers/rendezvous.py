@@ -5,7 +5,8 @@ torch's ``tcp://`` and ``env://`` rendezvous make rank 0 wait for every other ra
 process that exited first (a broken environment, a device it cannot open). :class:`LocalWorkers`
 started those processes, so its driver joins through the ``rrefpipe-local://`` scheme instead: the
 same store, but rank 0 waits for the others in short turns, asking between turns whether one of
-its worker processes has exited, and gives up at the start-up timeout.
+its worker processes has exited, and gives up at the start-up timeout; and the store listens on the
+group's address alone (loopback), where torch's listens on every interface.
 
 Each worker says it has joined with a counter in the store; the last one sets a key the driver
 waits on. Everything after the rendezvous (the RPC agents exchanging names) is torch's, bounded by
@@ -13,6 +14,7 @@ the store timeout ``init_rpc`` sets to the RPC timeout.
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,14 +59,23 @@ def _handler(url: str, **kwargs: object) -> Iterator[tuple[dist.Store, int, int]
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = timedelta(seconds=float(query.get("timeout", 60)))
     assert parsed.hostname is not None and parsed.port is not None, f"{SCHEME}:// needs host:port, got {url!r}"
+    listening = _listening_socket(parsed.hostname, parsed.port) if rank == 0 else None
     store = dist.TCPStore(parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+                          wait_for_workers=False, master_listen_fd=listening)
     if rank == 0:
         _wait_for_workers(store, parsed.port, world_size - 1, timeout)
     elif store.add(_JOINED, 1) == world_size - 1:
         store.set(_ALL_JOINED, "1")
     yield store, rank, world_size
     raise RuntimeError(f"{SCHEME}:// cannot rendezvous again: start new workers")
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A socket listening on ``host`` alone, for the store to serve on (it owns the descriptor): given an
+    address, ``TCPStore``'s own server still listens on every interface, and the store outlives the group
+    in torch's keeping."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family).detach()
 
 
 def _wait_for_workers(store: dist.Store, port: int, workers: int, timeout: timedelta) -> None:
