@@ -144,6 +144,10 @@ class RemoteDriver:
         return Failure.capture(exc, stage=index, worker=self.workers[index], microbatch=None, phase=fn.__name__,
                                transport=is_transport_error(exc)).to_exception()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:  # its stages are gone: a state dict would come back empty, a forward fail obscurely
             raise RuntimeError("this Pipe is closed: its stages were dropped from their workers; build a new Pipe")

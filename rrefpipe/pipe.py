@@ -333,7 +333,7 @@ class Pipe(nn.Module):
 
     def train(self, mode: bool = True) -> Pipe:
         super().train(mode)
-        if isinstance(self._driver, RemoteDriver):
+        if isinstance(self._driver, RemoteDriver) and not self._driver.closed:  # (a parent's eval() after close)
             self._driver.set_training(mode)
         return self
 

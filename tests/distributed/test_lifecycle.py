@@ -75,10 +75,20 @@ def test_a_closed_pipe_says_so(cluster):
     pipe = Pipe(mlp([6, 8, 3]), chunks=2, balance=[2, 1], workers=cluster.names[:2])
     pipe.close()
     pipe.close()  # twice is fine
-    for call in (lambda: pipe(torch.randn(4, 6)), pipe.state_dict, pipe.parameter_rrefs, pipe.eval,
+    for call in (lambda: pipe(torch.randn(4, 6)), pipe.state_dict, pipe.parameter_rrefs,
                  lambda: pipe.backward(0, torch.zeros(())), lambda: pipe.load_state_dict({})):
         with pytest.raises(RuntimeError, match="this Pipe is closed"):
             call()
+
+
+def test_a_parent_of_a_closed_pipe_still_switches_modes(cluster):
+    """``parent.eval()`` reaches every child, a closed pipe too: there it only sets the flag (it raised,
+    so a parent module could not be switched after its pipe was closed)."""
+    parent = torch.nn.Module()
+    parent.pipe = Pipe(mlp([6, 8, 3]), chunks=2, balance=[2, 1], workers=cluster.names[:2])
+    parent.pipe.close()
+    parent.eval()
+    assert not parent.pipe.training
 
 
 def test_a_late_delivery_leaves_no_autograd_context_on_the_driver(cluster):
