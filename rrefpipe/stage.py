@@ -25,7 +25,7 @@ from .dependency import fence, fork, hop, join, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.namespace import DEFAULT
-from .skip.skippable import skippable_layers
+from .skip.skippable import crossing_skips, skippable_layers
 from .skip.tracker import SkipKey, use_tracker
 from .trace import Recorder
 from .transfer import to_device
@@ -109,9 +109,9 @@ class Stage:
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
         count = sum(p.numel() for p in self.module.parameters())
-        layers = [layer for _, layer in skippable_layers(self.module)]
-        stashes = tuple(key for layer in layers for key in layer.stashable())
-        pops = tuple(key for layer in layers for key in layer.poppable())
+        crossing = list(crossing_skips(self.module))  # a skip kept inside one layer needs no route
+        stashes = tuple(key for _, stashed, _ in crossing for key in stashed)
+        pops = tuple(key for _, _, popped in crossing for key in popped)
         return StageInfo(self.index, self.worker, str(self.device), names, count, stashes, pops)
 
     def run(self, meta: StepMeta, i: int, value: TensorOrTensors, phonies: Sequence[Tensor] = (),

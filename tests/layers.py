@@ -314,6 +314,47 @@ def residual_model(width: int = 8, blocks: int = 3, seed: int = 0) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
+class PopRegisteredFirst(nn.Module):
+    """A block (not an nn.Sequential) whose pop layer is registered before its stash layer but runs after
+    it: only its forward knows the order."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.add = PopAdd()
+        self.fc = nn.Linear(width, width)
+        self.fork = StashInput()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.add(self.fc(self.fork(x)))
+
+
+class NestedResidual(nn.Module):
+    """stash -> Linear -> Tanh -> pop+add inside one block, with the default skip name: repeated blocks
+    each keep theirs inside themselves (no namespace needed, as in PyTorch's Pipe)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fork = StashInput()
+        self.fc = nn.Linear(width, width)
+        self.add = PopAdd()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.add(torch.tanh(self.fc(self.fork(x))))
+
+
+def nested_skip_models(width: int = 6, seed: int = 0) -> dict[str, nn.Sequential]:
+    """Skips kept inside blocks: a pop registered before its stash, and repeated blocks of one default
+    name around an (isolated) skip that crosses them."""
+    torch.manual_seed(seed)
+    ns = Namespace()
+    return {
+        "pop registered first": nn.Sequential(nn.Linear(width, width), PopRegisteredFirst(width), nn.Tanh(),
+                                              PopRegisteredFirst(width)),
+        "repeated blocks": nn.Sequential(StashInput().isolate(ns), NestedResidual(width), NestedResidual(width),
+                                         NestedResidual(width), PopAdd().isolate(ns)),
+    }
+
+
 # -- faults ----------------------------------------------------------------------------------------
 import os  # noqa: E402
 import signal  # noqa: E402

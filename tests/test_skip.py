@@ -1,4 +1,6 @@
 import pickle
+import re
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -8,7 +10,8 @@ from rrefpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from rrefpipe.skip.namespace import DEFAULT
 from rrefpipe.skip.skippable import verify_stage_skips
 from rrefpipe.skip.layout import route
-from tests.layers import PopAB, PopAdd, StashC, StashInput, StashStashPop, skip_model
+from tests.layers import (NestedResidual, PopAB, PopAdd, PopRegisteredFirst, StashC, StashInput, StashStashPop,
+                          nested_skip_models, skip_model)
 
 
 def test_skippable_modules_work_outside_a_pipe():
@@ -82,6 +85,60 @@ def test_namespaces_allow_repeated_blocks():
         verify_skippables(nn.Sequential(StashInput(), PopAdd(), StashInput(), PopAdd()))
     copy = pickle.loads(pickle.dumps(ns1))
     assert copy == ns1 and hash(copy) == hash(ns1) and copy != ns2
+
+
+def test_a_block_may_register_its_pop_before_its_stash():
+    """Stages are cut between the model's children only, so a name a child stashes and pops inside itself
+    is left to its forward, which alone knows the order (registration said "popped before it is stashed")."""
+    block = PopRegisteredFirst(4)
+    model = nn.Sequential(block, nn.Tanh())
+    verify_skippables(model)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(model(x), torch.tanh(block.fc(x) + x * 0.5))
+    verify_skippables(nested_skip_models()["pop registered first"])  # two such blocks, one default name
+
+
+def test_repeated_blocks_keep_their_default_names_inside_themselves():
+    """As in PyTorch's Pipe, repeated nested blocks need no namespace, and a skip crossing them still pairs."""
+    verify_skippables(nn.Sequential(NestedResidual(4), NestedResidual(4), nn.ReLU()))
+    verify_skippables(nested_skip_models()["repeated blocks"])
+
+
+@pytest.mark.parametrize("layers, message", [
+    # a name a child leaves for another (or takes from one) is checked model-wide, blocks and all
+    (lambda: [NestedResidual(4), PopAdd()], "'skip' is popped by 2 layers '0.add' and '1'"),
+    (lambda: [NestedResidual(4), nn.Sequential(PopAdd())], "'skip' is popped by 2 layers '0.add' and '1.0'"),
+    (lambda: [StashInput(), NestedResidual(4)], "'skip' is stashed by 2 layers '0' and '1.fork'"),
+    (lambda: [PopRegisteredFirst(4), nn.Sequential(StashInput())], "'skip' is stashed by 2 layers '0.fork' and '1.0'"),
+    # a child that stashes a name more often than it pops it would leave a stash for the next one
+    (lambda: [nn.Sequential(StashInput(), NestedResidual(4))], "'skip' is stashed by 2 layers '0.0' and '0.1.fork'"),
+])
+def test_names_that_leave_a_block_are_checked_model_wide(layers, message):
+    verify_skippables(nn.Sequential(NestedResidual(4), NestedResidual(4)))  # inside: fine
+    with pytest.raises(TypeError, match=re.escape(message)):
+        verify_skippables(nn.Sequential(*layers()))
+
+
+def test_stages_report_only_the_skips_that_leave_their_layers():
+    """The driver routes (and checks) what Stage.info reports: skips kept inside a layer stay off it,
+    and the stage's router keeps each one until its pop, block after block."""
+    from rrefpipe.stage import Stage, StepMeta
+
+    model = nested_skip_models()["repeated blocks"]
+    ns = model[0].namespaced("skip")[0]
+    stages = [Stage(j, nn.Sequential(OrderedDict(list(model.named_children())[a:b])), torch.device("cpu"), "w")
+              for j, (a, b) in enumerate([(0, 2), (2, 5)])]
+    infos = [stage.info() for stage in stages]
+    assert [(info.stashes, info.pops) for info in infos] == [(((ns, "skip"),), ()), ((), ((ns, "skip"),))]
+    verify_stage_skips([(info.stashes, info.pops) for info in infos])
+    for stage, routes in zip(stages, route([(info.stashes, info.pops) for info in infos])):
+        stage.routes = routes
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=0, grad_enabled=False, deliver_to=None, timeout=1.0)
+    x = torch.randn(3, 6)
+    first = stages[0].run(meta, 0, x)
+    assert list(first.skips) == [(ns, "skip")]  # the crossing skip only
+    out = stages[1].run(meta, 0, first.value, received=first.skips)
+    torch.testing.assert_close(out.value, model(x))
 
 
 def test_undeclared_names_and_bad_yields_are_errors():

@@ -34,8 +34,9 @@ def route(stage_skips: Sequence[tuple[Sequence[SkipKey], Sequence[SkipKey]]]) ->
 class StageRouter:
     """The skip tracker of one stage for one micro-batch.
 
-    Stashes popped later in the same stage stay here; stashes for later stages are collected to be
-    sent straight to them; pops of earlier stages' skips are answered from what was received. When
+    Stashes popped later in the same stage stay here until their pop, so blocks that keep one name inside
+    themselves (never routed) stash and pop it in turn; stashes for later stages are collected to be sent
+    straight to them; pops of earlier stages' skips are answered from what was received. When
     checkpointing recomputes the stage, pops return the same received tensors and outgoing stashes are
     not collected again (they were sent in the first forward).
     """

@@ -134,25 +134,62 @@ def skippable_layers(module: nn.Module, prefix: str = "") -> Iterator[tuple[str,
         yield from skippable_layers(child, path + ".")
 
 
-def verify_skippables(module: nn.Sequential) -> None:
-    """Check that every skip name has exactly one stash and one later pop.
+def crossing_skips(module: nn.Module) -> Iterator[tuple[str, list[SkipKey], list[SkipKey]]]:
+    """Every skippable inside ``module`` (as :func:`skippable_layers`) with the keys it stashes and pops
+    that may cross a stage: the pairing checks and the routes deal with those alone.
 
-    Raises ``TypeError`` listing every problem at once, each naming the layers and the skip.
+    Stages are cut between ``module``'s children only, so a key kept inside its children
+    (:func:`_internal_skips`) never crosses one: the stage's tracker keeps each such stash until its pop,
+    as PyTorch's partition-local tracker did. Only the child's forward knows their order (registration
+    order need not be it); a pop that really comes first fails there, as in the plain module.
+    """
+    internal = _internal_skips(module)
+    for path, layer in skippable_layers(module):
+        yield (path, [key for key in layer.stashable() if key not in internal],
+               [key for key in layer.poppable() if key not in internal])
+
+
+def _internal_skips(module: nn.Module) -> set[SkipKey]:
+    """Keys that every child of ``module`` using them stashes and pops as often inside its subtree, none
+    declared by a child itself (a top-level skippable pairs with other children, as in PyTorch's Pipe).
+    A stash left for another child, or a pop of one, keeps the key model-wide, in every child, so no
+    two children pair up silently."""
+    counts: dict[SkipKey, dict[str, list[int]]] = {}  # key -> child's name -> [stashes, pops]
+    top_level: set[SkipKey] = set()
+    for path, layer in skippable_layers(module):
+        child, _, nested = path.partition(".")
+        if not nested:
+            top_level.update(layer.stashable(), layer.poppable())
+        for side, keys in enumerate((layer.stashable(), layer.poppable())):
+            for key in keys:
+                counts.setdefault(key, {}).setdefault(child, [0, 0])[side] += 1
+    return {key for key, by_child in counts.items()
+            if key not in top_level and all(stashes == pops for stashes, pops in by_child.values())}
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check that every skip name crossing the module's children has exactly one stash and one later pop.
+
+    A name that the children using it each stash and pop inside themselves, as often (a residual block
+    repeated with its default names, say), stays inside each child and is left to its forward
+    (:func:`crossing_skips`). Raises ``TypeError`` listing every problem at once, each naming the
+    layers and the skip.
     """
     stashes: dict[SkipKey, list[tuple[int, str]]] = {}
     pops: dict[SkipKey, list[tuple[int, str]]] = {}
-    for order, (path, layer) in enumerate(skippable_layers(module)):
-        for key in layer.stashable():
+    for order, (path, stashed, popped) in enumerate(crossing_skips(module)):
+        for key in stashed:
             stashes.setdefault(key, []).append((order, repr(path)))
-        for key in layer.poppable():
+        for key in popped:
             pops.setdefault(key, []).append((order, repr(path)))
     _check_pairs(stashes, pops, "layer", pop_in_place=False)
 
 
 def verify_stage_skips(stage_skips: Sequence[tuple[Sequence[SkipKey], Sequence[SkipKey]]]) -> None:
     """:func:`verify_skippables` for stages known only by each one's (stashed, popped) names: stages
-    built on their workers (``Pipe.from_factories``). A pop in the stash's own stage counts as later
-    (that stage's forward says so if it is not)."""
+    built on their workers (``Pipe.from_factories``). Names kept inside one layer are not among them
+    (:func:`crossing_skips`). A pop in the stash's own stage counts as later (that stage's forward
+    says so if it is not)."""
     stashes: dict[SkipKey, list[tuple[int, str]]] = {}
     pops: dict[SkipKey, list[tuple[int, str]]] = {}
     for j, (stashed, popped) in enumerate(stage_skips):

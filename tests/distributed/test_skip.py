@@ -7,7 +7,8 @@ from torch import nn
 
 from rrefpipe import Pipe
 from tests.distributed.probes import check_transparent
-from tests.layers import PopAdd, PopMaybe, StashInput, StashNone, residual_model, skip_model
+from tests.layers import (NestedResidual, PopAdd, PopMaybe, StashInput, StashNone, nested_skip_models, residual_model,
+                          skip_model)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,6 +27,31 @@ def test_skippable_model_is_transparent(cluster, stages, checkpoint):
     balance = {1: [10], 2: [4, 6], 3: [3, 4, 3], 4: [2, 3, 3, 2]}[stages]
     x = torch.randn(6, 8, requires_grad=True)
     with Pipe(model, chunks=3, checkpoint=checkpoint, balance=balance, workers=cluster.names[:stages]) as pipe:
+        check_transparent(pipe, model, x)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("name, balance", [("pop registered first", [2, 2]), ("pop registered first", [1, 2, 1]),
+                                           ("repeated blocks", [2, 3]), ("repeated blocks", [1, 3, 1])])
+def test_skips_kept_inside_blocks_are_transparent(cluster, name, balance, checkpoint):
+    """Blocks that stash and pop a default name inside themselves (a pop registered first, repeated
+    blocks, several on one stage) around an isolated skip crossing stages: the plain model's result."""
+    model = nested_skip_models()[name]
+    x = torch.randn(6, 6, requires_grad=True)
+    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=balance, workers=cluster.names[:len(balance)]) as pipe:
+        reported = sum(len(info.stashes) + len(info.pops) for info in pipe.stages)
+        assert reported == (2 if name == "repeated blocks" else 0)  # the crossing isolated skip only
+        check_transparent(pipe, model, x)
+
+
+def test_stages_from_factories_may_repeat_a_block_with_its_default_names(cluster):
+    """Each stage's blocks keep their skip inside: no stage reports it, so none pairs across stages."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NestedResidual(4) for _ in range(4)))
+    x = torch.randn(4, 4, requires_grad=True)
+    with Pipe.from_factories([lambda: model[:2], lambda: model[2:]], chunks=2,
+                             workers=cluster.names[:2]) as pipe:
+        assert all(not info.stashes and not info.pops for info in pipe.stages)
         check_transparent(pipe, model, x)
 
 
