@@ -47,8 +47,9 @@ class Pipe(nn.Module):
     Each stage runs on its own RPC worker process with its partition on its device; micro-batches
     pass worker to worker. Where the stages run:
 
-    * RPC not initialised (the default): rrefpipe starts one local worker per stage on 127.0.0.1 and
-      stops them on :meth:`close`, on ``with`` exit, or at interpreter exit.
+    * RPC not initialised (the default): rrefpipe starts one local worker per stage on 127.0.0.1, shared
+      by the open pipes; the last of them to :meth:`close` (or leave its ``with``) stops them, and so
+      does interpreter exit.
     * RPC initialised with several workers (e.g. under ``torchrun``): stages go to ``workers`` (names),
       by default to the other workers of the group in rank order.
     * RPC initialised with world size 1 (PyTorch 1.8 style): stages follow the modules' devices and run
@@ -61,7 +62,7 @@ class Pipe(nn.Module):
         module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
-            their forward for backward instead of keeping activations. Stages before the last
+            their forward for backward instead of keeping activations. CPU stages before the last
             recompute ahead of backward, while they wait for the gradient, one micro-batch at a time.
         deferred_batch_norm: replace every ``BatchNorm*d`` that tracks running statistics by
             :class:`~rrefpipe.batchnorm.DeferredBatchNorm`, whose running statistics are those of the
