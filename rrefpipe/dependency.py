@@ -77,18 +77,19 @@ class _Hop(torch.autograd.Function):
     arrives: what :func:`join`, :func:`fork` and :func:`mark` do on a stage's output, in one node."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], tensor: Tensor, *phonies: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, callback: Callable[[], None], as_is: bool, tensor: Tensor, *phonies: Tensor
+                ) -> tuple[Tensor, Tensor]:
         ctx.callback = callback
         ctx.phony_devices = [p.device for p in phonies]
         out = tensor.detach()
-        if not tensor.requires_grad:  # it stays so (autograd would mark it for the phonies' sake)
+        if as_is and not tensor.requires_grad:  # else autograd marks it differentiable, for the phonies
             ctx.mark_non_differentiable(out)
         return out, torch.empty(0)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> tuple[Any, ...]:
         ctx.callback()
-        return (None, grad, *(torch.empty(0, device=d) for d in ctx.phony_devices))
+        return (None, None, grad, *(torch.empty(0, device=d) for d in ctx.phony_devices))
 
 
 class _Fence(torch.autograd.Function):
@@ -125,12 +126,18 @@ def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
     return _replace_first(value, _Join.apply(_first(value), phony))
 
 
-def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None]
+def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None], *, as_is: bool = True
         ) -> tuple[TensorOrTensors, Tensor]:
     """``value`` (its first tensor joined with ``phonies``), and a phony forked off it for the next
     hop; ``callback`` runs when the gradient of the first tensor arrives (the other tensors of the
-    output travel in the same RPC message, so their gradients arrive with it)."""
-    first, phony = _Hop.apply(callback, _first(value), *phonies)
+    output travel in the same RPC message, so their gradients arrive with it).
+
+    ``as_is``: a first tensor that needs no gradient stays so, as in the plain module; the phony that
+    goes with it to the next stage, joined there, keeps this hop in backward. An output leaving the
+    pipe (``as_is=False``) has its first tensor made to require grad instead: a kept output loses its
+    phony, and the driver's loss may use no other tensor of the step's output message (a frozen
+    teacher's), where backward must still reach every send."""
+    first, phony = _Hop.apply(callback, as_is, _first(value), *phonies)
     return _replace_first(value, first), phony
 
 

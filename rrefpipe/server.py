@@ -122,7 +122,8 @@ class StageServer:
         self.spec = spec
         self.is_last = spec.index == spec.num_stages - 1
         self.stage = Stage(spec.index, module, torch.device(spec.device), rpc.get_worker_info().name,
-                           recompute_ahead=not self.is_last)  # the last stage's backward starts at once
+                           recompute_ahead=not self.is_last,  # the last stage's backward starts at once
+                           last=self.is_last)
         self.stream = StageStream(self.stage.device)
         self.workers: list[str] = []
         self.traffic: dict[str, list[int]] = {"activation": [0, 0], "skip": [0, 0]}  # kind -> [tensors, bytes]

@@ -88,8 +88,9 @@ class Stage:
     """A partition of the model on one device, with its skip routes and execution record."""
 
     def __init__(self, index: int, module: nn.Sequential, device: torch.device, worker: str,
-                 recompute_ahead: bool = False) -> None:
+                 recompute_ahead: bool = False, last: bool = False) -> None:
         self.index = index
+        self.last = last  # its output leaves the pipe (see ``dependency.hop``)
         self.device = device
         self.worker = worker
         self.module = module.to(device)
@@ -150,7 +151,7 @@ class Stage:
                 return StageOutput(out, None, outgoing)
             started = self._backward_callback(meta.step, i, "start")
             if crosses:
-                result = StageOutput(*hop(out, phonies, started))
+                result = StageOutput(*hop(out, phonies, started, as_is=not self.last))
             else:  # in the driver's process: a fence goes where the output's gradient will flow, if any
                 if phonies and microbatch.as_tensors(out)[0].requires_grad:
                     out = join(out, phonies[0])

@@ -104,10 +104,10 @@ def test_output_whose_first_tensor_carries_no_gradient(cluster):
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_first_tensor_that_needs_no_gradient_arrives_so(cluster):
-    """(x.detach(), x * 2) out of a stage: the next stage and the driver get the first tensor without
-    requires_grad, as in the plain module (it came out of the stage's hop requiring grad, for the
-    phonies' sake, and NumPy refused it)."""
+def test_a_first_tensor_that_needs_no_gradient_reaches_the_next_stage_so(cluster):
+    """(x.detach(), x * 2) out of a stage: the next stage gets the first tensor without requires_grad, as
+    in the plain module (it came out of the stage's hop requiring grad, for the phonies' sake, and NumPy
+    refused it). The pipe's own output keeps it requiring grad: see the two tests below."""
     torch.manual_seed(9)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), DetachFirst(), ReadFirst(), torch.nn.Linear(6, 3),
                                 DetachFirst())
@@ -118,13 +118,59 @@ def test_a_first_tensor_that_needs_no_gradient_arrives_so(cluster):
     with Pipe(model, chunks=2, balance=[2, 2, 1], workers=cluster.names[:3]) as pipe:
         with dist_autograd.context() as ctx:
             features, out = pipe(x).local_value()
-            assert not features.requires_grad and out.requires_grad
             dist_autograd.backward(ctx, [out.pow(2).sum()])
             grads = stage_gradients(pipe, ctx)
     torch.testing.assert_close(features, features_ref)
     torch.testing.assert_close(out, out_ref)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def _frozen(module: torch.nn.Module) -> torch.nn.Module:
+    return module.requires_grad_(False)
+
+
+def test_a_kept_output_whose_first_tensor_needs_no_gradient_still_trains(cluster):
+    """remote_output=True, a frozen first stage, a last stage returning (features, logits), the loss on
+    the logits: backward reaches every hop through the kept first tensor (the phony that would go with
+    it stays on the worker), so it must require grad there. When it did not, backward never returned
+    (over 400 s with the group's 120 s RPC timeout): the driver's engine waits for a gradient of its
+    own send to the first stage, and no RPC is in flight for a timeout to end."""
+    torch.manual_seed(10)
+    model = torch.nn.Sequential(_frozen(torch.nn.Linear(4, 6)), torch.nn.Tanh(), Split(), Merge(),
+                                torch.nn.Linear(6, 6), DetachFirst())
+    model[4].requires_grad_(True)
+    reference = twin(model)
+    x = torch.randn(6, 4)
+    reference(x)[1].pow(2).sum().backward()
+    with Pipe(model, chunks=2, balance=[2, 4], workers=cluster.names[:2], remote_output=True) as pipe:
+        with dist_autograd.context() as ctx:
+            _, logits = pipe(x).to_here()
+            dist_autograd.backward(ctx, [logits.pow(2).sum()])
+            grads = stage_gradients(pipe, ctx)
+    assert grads.keys() == {"4.weight", "4.bias"}
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference.get_parameter(name).grad)
+
+
+def test_a_frozen_pipe_output_in_a_trained_loss_leaves_backward_free(cluster):
+    """A frozen teacher pipe run in the training context (not under no_grad), its output in the loss of
+    a module trained on the driver: backward completes. With the output not requiring grad, the step's
+    sends were unreachable from the loss and backward never returned, as in the test above."""
+    torch.manual_seed(11)
+    teacher = _frozen(mlp([4, 6, 3]))
+    student = torch.nn.Linear(4, 3)
+    reference = twin(student)
+    x = torch.randn(6, 4)
+    torch.nn.functional.mse_loss(reference(x), teacher(x)).backward()
+    with Pipe(teacher, chunks=2, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            target = pipe(x).local_value()
+            loss = torch.nn.functional.mse_loss(student(x), target)
+            dist_autograd.backward(ctx, [loss])
+            got = dist_autograd.get_gradients(ctx)
+    torch.testing.assert_close(got[student.weight], reference.weight.grad)
+    torch.testing.assert_close(got[student.bias], reference.bias.grad)
 
 
 @pytest.mark.parametrize("per_message", [2, 3])
