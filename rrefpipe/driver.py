@@ -294,10 +294,15 @@ class RemoteDriver:
             self._contexts.popitem(last=False)
         return forwards
 
-    def _check_outputs_in_loss(self, context_id: int, outputs: list[list[Any]], losses: list[Tensor]) -> None:
-        """Refuse at once a backward whose losses leave out a forward of this context (``outputs``: each
-        forward's output nodes)."""
-        if not outputs:
+    def _check_outputs_in_loss(self, context_id: int, forwards: _Forwards, losses: list[Tensor]) -> None:
+        """Refuse at once a backward whose losses leave out a forward of this context.
+
+        Each output that came here is checked by its nodes. Outputs kept on the last worker are fetched
+        by the caller (``to_here()``), so only one thing can be said of them: a loss that reaches no
+        received tensor at all leaves every one of them out, and then nothing could end the wait (the
+        driver's engine waits for a gradient of its own send to the first stage, with no RPC in flight
+        for the timeout to end)."""
+        if not forwards.outputs and not forwards.remote:
             return
         reached: set[Any] = set()
         todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
@@ -306,19 +311,27 @@ class RemoteDriver:
             if node is not None and node not in reached:
                 reached.add(node)
                 todo.extend(next_node for next_node, _ in node.next_functions)
-        unused = [k for k, nodes in enumerate(outputs) if not any(node in reached for node in nodes)]
+        unused = [k for k, nodes in enumerate(forwards.outputs) if not any(node in reached for node in nodes)]
         if unused:
             raise RuntimeError(
-                f"forward {unused[0] + 1} of {len(outputs)} of this pipe in autograd context {context_id} is not part "
-                "of the loss: distributed autograd would wait for its sends until the RPC timeout. Run forwards you "
-                "do not backpropagate (validation, metrics) under torch.no_grad() or outside the context")
+                f"forward {unused[0] + 1} of {len(forwards.outputs)} of this pipe in autograd context {context_id} is "
+                "not part of the loss: distributed autograd would wait for its sends until the RPC timeout, or for "
+                "ever. Run forwards you do not backpropagate (validation, metrics) under torch.no_grad() or outside "
+                "the context")
+        if forwards.remote and not any(node.name().endswith("RecvRpcBackward") for node in reached):
+            raise RuntimeError(
+                f"the loss uses no output of the {forwards.remote} forward(s) of this pipe in autograd context "
+                f"{context_id} whose outputs stayed on the last worker (remote_output=True): distributed autograd "
+                "would wait for their sends for ever. Fetch the output (rref.to_here()) into the loss, or run "
+                "forwards you do not backpropagate under torch.no_grad() or outside the context")
 
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
         self._check_open()
         if context_id in self._failed_contexts:
             raise RuntimeError(f"a forward of this pipe failed in autograd context {context_id}: distributed "
-                               "autograd would wait for the sends of that forward until the RPC timeout. Run the "
+                               "autograd would wait for the sends of that forward until the RPC timeout, or for "
+                               "ever. Run the "
                                "step again in a new dist_autograd.context()")
         if context_id in self._backward_contexts:
             raise RuntimeError(f"this pipe already ran a backward in autograd context {context_id}: distributed "
@@ -326,7 +339,7 @@ class RemoteDriver:
                                "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
                                "accumulate gradients, sum the losses of several forwards into one backward")
         forwards = self._contexts.get(context_id) or _Forwards()
-        self._check_outputs_in_loss(context_id, forwards.outputs, losses)  # refused: kept for a corrected retry
+        self._check_outputs_in_loss(context_id, forwards, losses)  # refused: kept for a corrected retry
         self._contexts.pop(context_id, None)
         self._backward_contexts.append(context_id)
         try:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
-from tests.distributed.probes import check_transparent
+from tests.distributed.probes import check_transparent, stage_gradients
 from tests.layers import Parent, mlp, twin
 from tests.training import blobs, train_side_by_side
 
@@ -79,6 +79,29 @@ def test_old_style_optimizer_second_backward_and_unused_forward_are_refused_at_o
     plain_opt.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(updated[key], value)
+
+
+def test_a_loss_that_uses_no_kept_output_is_refused_at_once(cluster):
+    """remote_output=True and a loss that reaches no fetched output (the student's loss alone, the
+    teacher's output never fetched): plain dist_autograd.backward would never return, as nothing is in
+    flight for the RPC timeout to end. pipe.backward refuses it, again when retried, and the pipe then
+    trains as the plain model does."""
+    model = mlp([10, 16, 4], seed=3)
+    reference = twin(model)
+    student = torch.nn.Linear(10, 4)
+    (x, y), = blobs(1, 12, seed=5)
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2], remote_output=True) as pipe:
+        with dist_autograd.context() as ctx:
+            pipe(x)
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match=r"the loss uses no output of the 1 forward\(s\) of this pipe"):
+                    pipe.backward(ctx, F.cross_entropy(student(x), y))
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, F.cross_entropy(pipe(x).to_here(), y))
+            grads = stage_gradients(pipe, ctx)
+    F.cross_entropy(reference(x), y).backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
 def test_a_local_backward_of_the_output_says_what_to_call(cluster):
