@@ -20,7 +20,7 @@ def _values(out: str, key: str) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_workers_stay_with_a_driver_that_holds_the_gil():
-    """A live driver in a long C call that keeps the GIL answers no ping: 16 s is more than two ping
+    """A live driver in a long C call that keeps the GIL answers no ping: 24 s is well over two ping
     timeouts in a row, after which workers used to leave. Its store and stdin pipe say it is alive."""
     out = run_script("""
         import ctypes, torch
@@ -30,7 +30,7 @@ def test_workers_stay_with_a_driver_that_holds_the_gil():
         with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=1, balance=[1, 1]) as pipe:
             with torch.no_grad():
                 pipe(torch.randn(2, 4))
-            ctypes.PyDLL(None).sleep(16)   # libc's sleep, called with the GIL held
+            ctypes.PyDLL(None).sleep(24)   # libc's sleep, called with the GIL held
             print("alive=" + str(all(pid_alive(p) for p in pipe._local_workers.pids)))
             with torch.no_grad():
                 print("shape=" + str(tuple(pipe(torch.randn(2, 4)).local_value().shape)))
@@ -181,3 +181,56 @@ def test_local_workers_listen_on_loopback_only():
     """, timeout=110)
     addresses = _values(out.stdout, "addresses")[0].split(",")
     assert addresses == ["0100007F"], addresses  # 127.0.0.1 as /proc/net/tcp writes it; never 0.0.0.0
+
+
+def test_a_store_server_that_takes_no_socket_is_asked_again_without_libuv(monkeypatch):
+    """Older torch releases' libuv store server refuses a listening socket: the store is made again with
+    torch's other server, on a fresh socket bound to the same port (the first one closed, or the bind
+    would fail)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from workers import rendezvous
+
+    real, calls = dist.TCPStore, []
+
+    def store(*args, **kwargs):
+        calls.append(kwargs.get("use_libuv"))
+        if "use_libuv" not in kwargs:
+            raise RuntimeError("libuv TCPStore backend does not support master_listen_fd")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rendezvous.dist, "TCPStore", store)
+    port = free_port()
+    served = rendezvous._serving_store("127.0.0.1", port, 1, timedelta(seconds=10))
+    served.set("key", "value")
+    client = real("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=10))
+    assert client.get("key") == b"value" and calls == [None, False]
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_watched_worker_leaves_a_silent_driver_only_after_the_limit(monkeypatch, watched):
+    """Pings that time out: a worker whose watches see the driver's process keeps waiting (the driver
+    may hold the GIL) until ``SILENT_DRIVER_LIMIT`` seconds of them, since a torchrun store on another
+    host may outlive the driver; one without a watch leaves at the second. A fake clock, no waiting."""
+    import importlib
+
+    serve = importlib.import_module("workers.serve")  # the module: the package exports its function
+
+    clock = [0.0]
+    pings = []
+
+    def silent(*args, **kwargs):
+        pings.append(clock[0])
+        clock[0] += 10.0
+        if len(pings) > 100:  # a worker that would wait for ever: end it as a lost connection would
+            raise RuntimeError("ECONNRESET")
+        raise RuntimeError("RPC ran for more than set timeout (10000 ms)")
+
+    monkeypatch.setattr(serve.rpc, "rpc_sync", silent)
+    monkeypatch.setattr(serve.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(serve, "_stop", type("NeverStopped", (), {"wait": staticmethod(lambda _: False)})())
+    assert serve._ping_driver("worker1", "driver", 1.0, watched) is False
+    # the silence is timed from the end of the first missed ping (10 s), left at the first one past it
+    assert len(pings) == (int(serve.SILENT_DRIVER_LIMIT // 10) + 2 if watched else 2), pings

@@ -59,21 +59,52 @@ def _handler(url: str, **kwargs: object) -> Iterator[tuple[dist.Store, int, int]
     rank, world_size = int(query["rank"]), int(query["world_size"])
     timeout = timedelta(seconds=float(query.get("timeout", 60)))
     assert parsed.hostname is not None and parsed.port is not None, f"{SCHEME}:// needs host:port, got {url!r}"
-    listening = _listening_socket(parsed.hostname, parsed.port) if rank == 0 else None
-    store = dist.TCPStore(parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False, master_listen_fd=listening)
     if rank == 0:
+        store = _serving_store(parsed.hostname, parsed.port, world_size, timeout)
         _wait_for_workers(store, parsed.port, world_size - 1, timeout)
-    elif store.add(_JOINED, 1) == world_size - 1:
-        store.set(_ALL_JOINED, "1")
+    else:
+        store = dist.TCPStore(parsed.hostname, parsed.port, world_size, is_master=False, timeout=timeout,
+                              wait_for_workers=False)
+        if store.add(_JOINED, 1) == world_size - 1:
+            store.set(_ALL_JOINED, "1")
     yield store, rank, world_size
     raise RuntimeError(f"{SCHEME}:// cannot rendezvous again: start new workers")
 
 
+def _serving_store(host: str, port: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The group's store, served on a socket that listens on ``host`` alone: given an address,
+    ``TCPStore``'s own server still listens on every interface, and the store outlives the group in
+    torch's keeping. The default (libuv) server of older torch releases takes no socket; the other one does."""
+    for options in ({}, {"use_libuv": False}):
+        fd = _listening_socket(host, port)
+        try:
+            return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                                 master_listen_fd=fd, **options)
+        except (RuntimeError, ValueError) as exc:
+            error = exc
+            _close_if_listening(fd, port)  # for the next try to bind the port again
+    raise error
+
+
+def _close_if_listening(fd: int, port: int) -> None:
+    """Close ``fd`` if it is still a socket bound to ``port``: a store that failed may have closed it,
+    and the number may belong to another file since."""
+    try:
+        sock = socket.socket(fileno=fd)  # OSError when ``fd`` is no socket (any more)
+    except OSError:
+        return
+    try:
+        ours = sock.getsockname()[1] == port
+    except OSError:
+        ours = False
+    if ours:
+        sock.close()
+    else:
+        sock.detach()
+
+
 def _listening_socket(host: str, port: int) -> int:
-    """A socket listening on ``host`` alone, for the store to serve on (it owns the descriptor): given an
-    address, ``TCPStore``'s own server still listens on every interface, and the store outlives the group
-    in torch's keeping."""
+    """A socket listening on ``host`` alone; its descriptor, for the store to own."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((host, port), family=family).detach()
 

@@ -190,14 +190,20 @@ def _timed_out(exc: Exception) -> bool:
     return "timeout" in str(exc).lower()
 
 
+#: Seconds of unanswered pings after which a worker leaves a driver whose process its watches still see.
+SILENT_DRIVER_LIMIT = 120.0
+
+
 def _ping_driver(name: str, driver: str, interval: float, watched: bool) -> bool:
     """Ping the driver until told to stop or it is gone; True when it waits in a graceful shutdown.
 
     A lost connection means the driver process is gone. A timeout only means it did not answer in
     time: it may hold the GIL. ``watched`` (the store or stdin watch runs, see :func:`_start_watches`):
-    those see the process itself, so timeouts never make the worker leave; without them two in a row do.
+    those see the process itself, so timeouts make the worker leave only after ``SILENT_DRIVER_LIMIT``
+    seconds of them (a store on another host than the driver's, under torchrun, may outlive it);
+    without a watch two in a row do.
     """
-    misses = 0
+    misses, silent_since = 0, 0.0
     while not _stop.wait(interval):
         try:
             if not rpc.rpc_sync(driver, alive, timeout=max(2 * interval, 5.0)):
@@ -205,7 +211,9 @@ def _ping_driver(name: str, driver: str, interval: float, watched: bool) -> bool
             misses = 0
         except Exception as exc:
             misses += 1
-            if not _timed_out(exc) or (misses >= 2 and not watched):
+            silent_since = time.monotonic() if misses == 1 else silent_since
+            silent_too_long = time.monotonic() - silent_since > SILENT_DRIVER_LIMIT if watched else misses >= 2
+            if not _timed_out(exc) or silent_too_long:
                 log.warning("worker %s: driver %r is gone (%s); leaving", name, driver, exc)
                 return False
             if misses == 1:
