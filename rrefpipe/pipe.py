@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import numbers
 import sys
 import threading
 import weakref
@@ -197,7 +198,8 @@ class Pipe(nn.Module):
                    microbatches_per_message: int) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
+        real = isinstance(rpc_timeout, (int, float, numbers.Real)) and not isinstance(rpc_timeout, bool)
+        if not real or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
         self.microbatches_per_message = check_chunks(microbatches_per_message, "microbatches_per_message")
         self.remote_output = remote_output

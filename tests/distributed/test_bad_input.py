@@ -120,3 +120,11 @@ def test_workers_still_run_after_the_table(cluster):
     assert all(proc.poll() is None for proc in cluster._procs)
     counts = all_counts(cluster.names)
     assert all(c["stages"] == 0 for name, c in counts.items() if name != "driver")
+
+
+def test_rpc_timeout_may_be_any_real_number(cluster):
+    """A NumPy scalar from a config file is seconds too (only Python's int and float were taken)."""
+    import numpy as np
+
+    with Pipe(lin(), balance=[1, 1], workers=cluster.names[:2], rpc_timeout=np.int64(30)) as pipe:
+        assert pipe.rpc_timeout == 30.0 and type(pipe.rpc_timeout) is float
