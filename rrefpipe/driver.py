@@ -41,10 +41,29 @@ class _Collector:
 
     def __init__(self) -> None:
         self.output: TensorOrTensors | None = None
+        self.phony: Tensor | None = None  # came with an output that cannot carry a gradient
         self.done = threading.Event()
 
 
 _collectors: dict[tuple[str, int], _Collector] = {}
+# Per autograd context (the latest 64), the phonies of every pipe's outputs there that cannot carry a
+# gradient (integer tensors only): any pipe's backward in the context reaches those forwards' sends
+# through them, where no loss can.
+_unreached: OrderedDict[int, list[Tensor]] = OrderedDict()
+_unreached_lock = threading.Lock()
+
+
+def _keep_unreached(context_id: int, phony: Tensor) -> None:
+    with _unreached_lock:
+        _unreached.setdefault(context_id, []).append(phony)
+        _unreached.move_to_end(context_id)
+        while len(_unreached) > 64:
+            _unreached.popitem(last=False)
+
+
+def _take_unreached(context_id: int) -> list[Tensor]:
+    with _unreached_lock:
+        return _unreached.pop(context_id, [])
 _pipe_ids = itertools.count()
 
 
@@ -59,7 +78,7 @@ class _Forwards:
     remote: int = 0
 
 
-def deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
+def deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None = None) -> None:
     """Called (over RPC, by the last stage) with the step's output, its micro-batches gathered there.
 
     One message per step, not one per micro-batch: each delivery costs both sides a request, a reply
@@ -81,7 +100,7 @@ def deliver(pipe_id: str, step: int, value: TensorOrTensors) -> None:
         if context_id is not None:
             _rpc.release_if_only_received(context_id)
         return
-    collector.output = value
+    collector.output, collector.phony = value, phony
     collector.done.set()
 
 
@@ -105,6 +124,7 @@ class RemoteDriver:
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._warned_no_context = False
+        self._warned_no_gradient_output = False
         self._closed = False
         self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
         self._backward_contexts: deque[int] = deque(maxlen=64)  # contexts this pipe ran a backward in
@@ -266,7 +286,8 @@ class RemoteDriver:
                 raise
             finally:
                 del _collectors[(self.pipe_id, step)]
-        forwards = self._forwards(_rpc.current_context_id()) if grad_enabled else None
+        context_id = _rpc.current_context_id() if grad_enabled else None
+        forwards = self._forwards(context_id)
         if forwards is not None:
             forwards.steps.append(step)
         if self.remote_output:
@@ -282,7 +303,17 @@ class RemoteDriver:
             if nodes:
                 forwards.outputs.append(nodes)
                 _refuse_local_backward(collector.output)
+            elif collector.phony is not None and context_id is not None:
+                _keep_unreached(context_id, collector.phony)
+                self._warn_no_gradient_output()
         return rpc.RRef(collector.output)
+
+    def _warn_no_gradient_output(self) -> None:
+        if not self._warned_no_gradient_output:
+            self._warned_no_gradient_output = True
+            warn_user("Pipe output that cannot carry a gradient (integer tensors only) from a forward run with "
+                      "gradients in a dist_autograd.context(): pipe.backward(ctx, loss) reaches its sends, but a plain "
+                      "dist_autograd.backward would wait for them for ever. Run such forwards under torch.no_grad()")
 
     def _forwards(self, context_id: int | None) -> _Forwards | None:
         """The record of this pipe's forwards in autograd context ``context_id`` (the latest 64 kept)."""
@@ -342,8 +373,8 @@ class RemoteDriver:
         self._check_outputs_in_loss(context_id, forwards, losses)  # refused: kept for a corrected retry
         self._contexts.pop(context_id, None)
         self._backward_contexts.append(context_id)
-        try:
-            dist_autograd.backward(context_id, losses)
+        try:  # a zero-size phony's sum is a scalar 0 whose gradient reaches its forward's sends
+            dist_autograd.backward(context_id, losses + [phony.sum() for phony in _take_unreached(context_id)])
         except RuntimeError as exc:
             raise self._explain(exc, "backward", forwards) from exc
 

@@ -306,7 +306,8 @@ class StageServer:
         so does its gradient. The output reaches every micro-batch's hop node in backward through its
         first tensor, unless that tensor cannot carry a gradient (an integer mask): then one phony made
         of those micro-batches' phonies goes along, and distributed autograd's receive node on the
-        driver gives it a zero gradient, which reaches them."""
+        driver gives it a zero gradient, which reaches them. Where no tensor of the output can carry
+        one, no loss reaches that node: ``pipe.backward`` adds the phony's sum to the losses."""
         assert job.meta is not None
         outputs, self._outputs = self._outputs, {}
         ordered = [outputs[i] for i in range(job.meta.chunks)]
@@ -502,4 +503,4 @@ def take_output(pipe_id: str, index: int, step: int) -> TensorOrTensors:
 def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None) -> None:
     from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
 
-    deliver(pipe_id, step, value)  # the phony did its work by travelling in the message
+    deliver(pipe_id, step, value, phony)  # the phony's receive node joins the step to the driver's graph

@@ -1,4 +1,6 @@
 """A real training run through the pipe reaches the same losses as plain PyTorch with the same seed."""
+import warnings
+
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -102,6 +104,41 @@ def test_a_loss_that_uses_no_kept_output_is_refused_at_once(cluster):
     F.cross_entropy(reference(x), y).backward()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+class ArgMax(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=1)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_labels_from_a_pipe_train_a_student(cluster, checkpoint):
+    """A teacher pipe that outputs integer labels, run with gradients on in the step's context, and a
+    second pipe (the student) trained on them: no loss can reach the teacher's sends, and backward never
+    returned. pipe.backward reaches them (the student's, though it knows nothing of the teacher), plain
+    dist_autograd.backward would not: the forward warns. The student's gradients are the plain ones."""
+    teacher_model = torch.nn.Sequential(*mlp([10, 16, 4], seed=4), ArgMax())
+    student_model = mlp([10, 16, 4], seed=3)
+    reference = twin(student_model)
+    (x, _), = blobs(1, 12, seed=5)
+    F.cross_entropy(reference(x), teacher_model(x)).backward()
+    with Pipe(teacher_model, chunks=3, balance=[2, 2], workers=cluster.names[:2], checkpoint=checkpoint) as teacher, \
+            Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4], checkpoint=checkpoint) as student:
+        for step in range(2):  # the teacher's workers are ready for the next step
+            with dist_autograd.context() as ctx:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    labels = teacher(x).local_value()
+                warned = [str(w.message) for w in caught if "cannot carry a gradient" in str(w.message)]
+                assert len(warned) == (0 if step else 1), warned  # once per pipe
+                assert all("plain dist_autograd.backward would wait for them for ever" in w for w in warned)
+                student.backward(ctx, F.cross_entropy(student(x).local_value(), labels))
+                grads = stage_gradients(student, ctx)
+                # none reach it, as in the plain module; zeros, not none, on a stage before another
+                # (README: "Outputs that nothing uses get zero gradients")
+                assert all(not g.any() for g in stage_gradients(teacher, ctx).values())
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
 def test_a_local_backward_of_the_output_says_what_to_call(cluster):
