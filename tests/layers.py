@@ -314,32 +314,29 @@ def residual_model(width: int = 8, blocks: int = 3, seed: int = 0) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
-class PopRegisteredFirst(nn.Module):
-    """A block (not an nn.Sequential) whose pop layer is registered before its stash layer but runs after
-    it: only its forward knows the order."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.add = PopAdd()
-        self.fc = nn.Linear(width, width)
-        self.fork = StashInput()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.add(self.fc(self.fork(x)))
-
-
 class NestedResidual(nn.Module):
     """stash -> Linear -> Tanh -> pop+add inside one block, with the default skip name: repeated blocks
     each keep theirs inside themselves (no namespace needed, as in PyTorch's Pipe)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, pop_registered_first: bool = False) -> None:
         super().__init__()
+        if pop_registered_first:
+            self.add = PopAdd()
         self.fork = StashInput()
         self.fc = nn.Linear(width, width)
-        self.add = PopAdd()
+        if not pop_registered_first:
+            self.add = PopAdd()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.add(torch.tanh(self.fc(self.fork(x))))
+
+
+class PopRegisteredFirst(NestedResidual):
+    """A block whose pop layer is registered before its stash layer but runs after it: only its forward
+    knows the order."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, pop_registered_first=True)
 
 
 def nested_skip_models(width: int = 6, seed: int = 0) -> dict[str, nn.Sequential]:
@@ -438,10 +435,16 @@ class InterruptDriver(nn.Module):
         self.fired = False
         self.built_in = os.getpid()
 
+    def interrupt_once(self) -> bool:
+        """Send the SIGINT if this is the first forward on a worker; True when it was sent."""
+        if self.fired or os.getpid() == self.built_in:
+            return False
+        self.fired = True
+        os.kill(os.getppid(), signal.SIGINT)
+        return True
+
     def forward(self, x: Tensor) -> Tensor:
-        if not self.fired and os.getpid() != self.built_in:
-            self.fired = True
-            os.kill(os.getppid(), signal.SIGINT)
+        self.interrupt_once()
         return x * 1
 
 
@@ -500,7 +503,7 @@ class AwaitsRecomputes(nn.Module):
 
 
 # -- Ctrl-C while a step is held ----------------------------------------------------------------------
-class InterruptDriverAndHold(nn.Module):
+class InterruptDriverAndHold(InterruptDriver):
     """Sends SIGINT to the process that started its worker in its first forward there, then holds the
     step until that process creates ``folder/released`` (30 s at most), and then leaves ``folder/left``:
     a driver whose wait Ctrl-C interrupts sees KeyboardInterrupt while the step is held (no file yet)."""
@@ -508,13 +511,9 @@ class InterruptDriverAndHold(nn.Module):
     def __init__(self, folder: str) -> None:
         super().__init__()
         self.folder = folder
-        self.fired = False
-        self.built_in = os.getpid()
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.fired and os.getpid() != self.built_in:
-            self.fired = True
-            os.kill(os.getppid(), signal.SIGINT)
+        if self.interrupt_once():
             released, deadline = Path(self.folder) / "released", time.monotonic() + 30
             while not released.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -82,26 +82,32 @@ def test_tuple_input_and_output(cluster):
         torch.testing.assert_close(got, want)
 
 
+def _check_pair_output(pipe, model, x) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model returning (first, value), the loss on the value: outputs and gradients as the plain
+    model's. Returns the pipe's pair."""
+    reference = twin(model)
+    first_ref, out_ref = reference(x)
+    out_ref.pow(2).sum().backward()
+    with dist_autograd.context() as ctx:
+        first, out = pipe(x).local_value()
+        dist_autograd.backward(ctx, [out.pow(2).sum()])
+        grads = stage_gradients(pipe, ctx)
+    torch.testing.assert_close(first, first_ref)
+    torch.testing.assert_close(out, out_ref)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+    return first, out
+
+
 def test_output_whose_first_tensor_carries_no_gradient(cluster):
     """(integer mask, value) out of the last stage, the mask a skip that needs no gradient: backward
     must still reach the skip's message (only its phony leads there) and every gradient must match."""
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), StashSign(), torch.nn.Tanh(), torch.nn.Linear(6, 3),
                                 PopSignFirst())
-    reference = twin(model)
-    x = torch.randn(6, 4)
-    mask_ref, out_ref = reference(x)
-    out_ref.pow(2).sum().backward()
     with Pipe(model, chunks=3, balance=[2, 1, 2], workers=cluster.names[:3]) as pipe:
-        with dist_autograd.context() as ctx:
-            mask, out = pipe(x).local_value()
-            assert mask.dtype == torch.long and not mask.requires_grad and out.requires_grad
-            dist_autograd.backward(ctx, [out.pow(2).sum()])
-            grads = stage_gradients(pipe, ctx)
-    torch.testing.assert_close(mask, mask_ref)
-    torch.testing.assert_close(out, out_ref)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+        mask, out = _check_pair_output(pipe, model, torch.randn(6, 4))
+    assert mask.dtype == torch.long and not mask.requires_grad and out.requires_grad
 
 
 def test_a_first_tensor_that_needs_no_gradient_reaches_the_next_stage_so(cluster):
@@ -111,19 +117,8 @@ def test_a_first_tensor_that_needs_no_gradient_reaches_the_next_stage_so(cluster
     torch.manual_seed(9)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), DetachFirst(), ReadFirst(), torch.nn.Linear(6, 3),
                                 DetachFirst())
-    reference = twin(model)
-    x = torch.randn(6, 4)
-    features_ref, out_ref = reference(x)
-    out_ref.pow(2).sum().backward()
     with Pipe(model, chunks=2, balance=[2, 2, 1], workers=cluster.names[:3]) as pipe:
-        with dist_autograd.context() as ctx:
-            features, out = pipe(x).local_value()
-            dist_autograd.backward(ctx, [out.pow(2).sum()])
-            grads = stage_gradients(pipe, ctx)
-    torch.testing.assert_close(features, features_ref)
-    torch.testing.assert_close(out, out_ref)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+        _check_pair_output(pipe, model, torch.randn(6, 4))
 
 
 def _frozen(module: torch.nn.Module) -> torch.nn.Module:
