@@ -46,6 +46,7 @@ class _Collector:
 
 
 _collectors: dict[tuple[str, int], _Collector] = {}
+_pipe_ids = itertools.count()
 # Per autograd context (the latest 64), the phonies of every pipe's outputs there that cannot carry a
 # gradient (integer tensors only): any pipe's backward in the context reaches those forwards' sends
 # through them, where no loss can.
@@ -64,7 +65,6 @@ def _keep_unreached(context_id: int, phony: Tensor) -> None:
 def _take_unreached(context_id: int) -> list[Tensor]:
     with _unreached_lock:
         return _unreached.pop(context_id, [])
-_pipe_ids = itertools.count()
 
 
 @dataclass
@@ -362,8 +362,7 @@ class RemoteDriver:
         if context_id in self._failed_contexts:
             raise RuntimeError(f"a forward of this pipe failed in autograd context {context_id}: distributed "
                                "autograd would wait for the sends of that forward until the RPC timeout, or for "
-                               "ever. Run the "
-                               "step again in a new dist_autograd.context()")
+                               "ever. Run the step again in a new dist_autograd.context()")
         if context_id in self._backward_contexts:
             raise RuntimeError(f"this pipe already ran a backward in autograd context {context_id}: distributed "
                                "autograd takes one backward per context (a second waits for the first one's sends "
