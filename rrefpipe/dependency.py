@@ -129,16 +129,19 @@ def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
 def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None], *, as_is: bool = True
         ) -> tuple[TensorOrTensors, Tensor]:
     """``value`` (its first tensor joined with ``phonies``), and a phony forked off it for the next
-    hop; ``callback`` runs when the gradient of the first tensor arrives (the other tensors of the
-    output travel in the same RPC message, so their gradients arrive with it).
+    hop; ``callback`` runs when the gradient of that tensor arrives (the other tensors of the output
+    travel in the same RPC message, so their gradients arrive with it).
 
     ``as_is``: a first tensor that needs no gradient stays so, as in the plain module; the phony that
     goes with it to the next stage, joined there, keeps this hop in backward. An output leaving the
-    pipe (``as_is=False``) has its first tensor made to require grad instead: a kept output loses its
+    pipe (``as_is=False``) has the tensor made to require grad instead: a kept output loses its
     phony, and the driver's loss may use no other tensor of the step's output message (a frozen
-    teacher's), where backward must still reach every send."""
-    first, phony = _Hop.apply(callback, as_is, _first(value), *phonies)
-    return _replace_first(value, first), phony
+    teacher's), where backward must still reach every send. There the first tensor that can carry a
+    gradient is the one (an integer mask first, say, cannot)."""
+    tensors = [value] if isinstance(value, Tensor) else list(value)
+    k = 0 if as_is else next((j for j, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()), 0)
+    tensors[k], phony = _Hop.apply(callback, as_is, tensors[k], *phonies)
+    return (tensors[0] if isinstance(value, Tensor) else tuple(tensors)), phony
 
 
 def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:

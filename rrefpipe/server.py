@@ -304,18 +304,17 @@ class StageServer:
         """The step's output, gathered here, to the driver in one message of one tensor per output
         tensor (see ``driver.deliver`` for why): each tensor of a message costs both sides again, and
         so does its gradient. The output reaches every micro-batch's hop node in backward through its
-        first tensor, unless that tensor cannot carry a gradient (an integer mask): then one phony made
-        of those micro-batches' phonies goes along, and distributed autograd's receive node on the
-        driver gives it a zero gradient, which reaches them. Where no tensor of the output can carry
-        one, no loss reaches that node: ``pipe.backward`` adds the phony's sum to the losses."""
+        first tensor that can carry a gradient (see ``dependency.hop``). Where none can (integer
+        tensors only), one phony made of those micro-batches' phonies goes along: no loss reaches its
+        receive node on the driver, and ``pipe.backward`` adds the phony's sum to the losses."""
         assert job.meta is not None
         outputs, self._outputs = self._outputs, {}
         ordered = [outputs[i] for i in range(job.meta.chunks)]
         for output in ordered:
             output.copied()
         values = [output.value for output in ordered]
-        unreached = [output.phony for output in ordered
-                     if output.phony is not None and not microbatch.as_tensors(output.value)[0].requires_grad]
+        unreached = [output.phony for output in ordered if output.phony is not None
+                     and not any(t.requires_grad for t in microbatch.as_tensors(output.value))]
         try:
             gathered = microbatch.gather(values)
             phony = torch.cat(unreached) if unreached else None

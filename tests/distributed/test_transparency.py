@@ -89,7 +89,8 @@ def _check_pair_output(pipe, model, x) -> tuple[torch.Tensor, torch.Tensor]:
     first_ref, out_ref = reference(x)
     out_ref.pow(2).sum().backward()
     with dist_autograd.context() as ctx:
-        first, out = pipe(x).local_value()
+        output = pipe(x)
+        first, out = output.to_here() if pipe.remote_output else output.local_value()
         dist_autograd.backward(ctx, [out.pow(2).sum()])
         grads = stage_gradients(pipe, ctx)
     torch.testing.assert_close(first, first_ref)
@@ -99,13 +100,16 @@ def _check_pair_output(pipe, model, x) -> tuple[torch.Tensor, torch.Tensor]:
     return first, out
 
 
-def test_output_whose_first_tensor_carries_no_gradient(cluster):
+@pytest.mark.parametrize("remote_output", [False, True])
+def test_output_whose_first_tensor_carries_no_gradient(cluster, remote_output):
     """(integer mask, value) out of the last stage, the mask a skip that needs no gradient: backward
-    must still reach the skip's message (only its phony leads there) and every gradient must match."""
+    must still reach the skip's message (only its phony leads there) and every gradient must match.
+    The phonies go into the value: a kept output (remote_output) had them in the mask, which no
+    gradient reaches, and backward never returned."""
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), StashSign(), torch.nn.Tanh(), torch.nn.Linear(6, 3),
                                 PopSignFirst())
-    with Pipe(model, chunks=3, balance=[2, 1, 2], workers=cluster.names[:3]) as pipe:
+    with Pipe(model, chunks=3, balance=[2, 1, 2], workers=cluster.names[:3], remote_output=remote_output) as pipe:
         mask, out = _check_pair_output(pipe, model, torch.randn(6, 4))
     assert mask.dtype == torch.long and not mask.requires_grad and out.requires_grad
 
