@@ -353,7 +353,7 @@ class RemoteDriver:
             raise RuntimeError(
                 f"the loss uses no output of the {forwards.remote} forward(s) of this pipe in autograd context "
                 f"{context_id} whose outputs stayed on the last worker (remote_output=True): distributed autograd "
-                "would wait for their sends for ever. Fetch the output (rref.to_here()) into the loss, or run "
+                "would wait for their sends for ever. Use the fetched output (rref.to_here()) in the loss, or run "
                 "forwards you do not backpropagate under torch.no_grad() or outside the context")
 
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
@@ -372,8 +372,10 @@ class RemoteDriver:
         self._check_outputs_in_loss(context_id, forwards, losses)  # refused: kept for a corrected retry
         self._contexts.pop(context_id, None)
         self._backward_contexts.append(context_id)
-        try:  # a zero-size phony's sum is a scalar 0 whose gradient reaches its forward's sends
-            dist_autograd.backward(context_id, losses + [phony.sum() for phony in _take_unreached(context_id)])
+        with torch.enable_grad():  # a zero-size phony's sum: a scalar 0 whose gradient reaches its forward's sends
+            unreached = [phony.sum() for phony in _take_unreached(context_id)]
+        try:
+            dist_autograd.backward(context_id, losses + unreached)
         except RuntimeError as exc:
             raise self._explain(exc, "backward", forwards) from exc
 
