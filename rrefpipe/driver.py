@@ -10,9 +10,9 @@ import itertools
 import re
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 import torch
@@ -54,12 +54,22 @@ _unreached: OrderedDict[int, list[Tensor]] = OrderedDict()
 _unreached_lock = threading.Lock()
 
 
+_V = TypeVar("_V")
+
+
+def _latest(entries: OrderedDict[int, _V], context_id: int, new: Callable[[], _V]) -> _V:
+    """The entry of ``context_id`` in ``entries`` (made with ``new`` if missing), which keep the latest 64
+    contexts: a context is never told it ended, so older ones are dropped."""
+    entry = entries.setdefault(context_id, new())
+    entries.move_to_end(context_id)
+    while len(entries) > 64:
+        entries.popitem(last=False)
+    return entry
+
+
 def _keep_unreached(context_id: int, phony: Tensor) -> None:
     with _unreached_lock:
-        _unreached.setdefault(context_id, []).append(phony)
-        _unreached.move_to_end(context_id)
-        while len(_unreached) > 64:
-            _unreached.popitem(last=False)
+        _latest(_unreached, context_id, list).append(phony)
 
 
 def _take_unreached(context_id: int) -> list[Tensor]:
@@ -317,13 +327,7 @@ class RemoteDriver:
 
     def _forwards(self, context_id: int | None) -> _Forwards | None:
         """The record of this pipe's forwards in autograd context ``context_id`` (the latest 64 kept)."""
-        if context_id is None:
-            return None
-        forwards = self._contexts.setdefault(context_id, _Forwards())
-        self._contexts.move_to_end(context_id)
-        while len(self._contexts) > 64:
-            self._contexts.popitem(last=False)
-        return forwards
+        return None if context_id is None else _latest(self._contexts, context_id, _Forwards)
 
     def _check_outputs_in_loss(self, context_id: int, forwards: _Forwards, losses: list[Tensor]) -> None:
         """Refuse at once a backward whose losses leave out a forward of this context.

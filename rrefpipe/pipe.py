@@ -198,7 +198,7 @@ class Pipe(nn.Module):
                    microbatches_per_message: int) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        real = isinstance(rpc_timeout, (int, float, numbers.Real)) and not isinstance(rpc_timeout, bool)
+        real = isinstance(rpc_timeout, numbers.Real) and not isinstance(rpc_timeout, bool)
         if not real or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
         self.microbatches_per_message = check_chunks(microbatches_per_message, "microbatches_per_message")
