@@ -65,8 +65,23 @@ def test_solve_examples_and_ties():
         for partitions in range(1, n + 1):
             assert solve([1.0] * n, partitions) == uniform_balance(n, partitions)
             assert solve([0.0] * n, partitions) == uniform_balance(n, partitions)
+            assert solve([0.3] * n, partitions) == uniform_balance(n, partitions)  # its sums round
     assert balance_by_size(3, nn.Sequential(*[nn.Identity() for _ in range(7)]), torch.randn(2, 4)) == [3, 2, 2]
     assert balance_cost([3, 1, 1, 1], 2) == [1, 3]
+
+
+def test_costs_near_the_float_limits_split_as_their_scaled_twins():
+    """Sums and squares of costs near 1e308 overflowed (the solver failed its own assertion); the split
+    does not depend on the unit, so huge and tiny costs split as the same costs scaled (by powers of
+    two, which keep ties exact)."""
+    rng = random.Random(0)
+    for _ in range(100):
+        n = rng.randint(1, 9)
+        partitions = rng.randint(1, n)
+        costs = [float(rng.randint(0, 20)) for _ in range(n)]
+        for unit in (2.0 ** 1015, 2.0 ** -1074):  # ~3.7e305, ~4.9e-324
+            assert solve([c * unit for c in costs], partitions) == solve(costs, partitions), (costs, unit)
+    assert solve([1.7e308] * 4, 3) == uniform_balance(4, 3)
 
 
 def test_solve_rejects_bad_arguments():

@@ -43,10 +43,11 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
        ``s`` layers into ``k - 1``, and its maximum is the larger of the two parts' maxima; so the
        recurrence ranges over all splits and ``T = best[partitions][n]`` is the optimum.
     2. Among the splits whose stages all cost at most ``T`` (the optimal ones), the most even: least sum of
-       squared stage costs, by the same decomposition (a sum decomposes like a maximum). Ties go to the
-       latest start of the last stage, so equal costs give ``uniform_balance``'s split.
+       squared stage costs, by the same decomposition (a sum decomposes like a maximum). Ties (up to
+       rounding) go to the latest start of the last stage, so equal costs give ``uniform_balance``'s split.
 
-    Both compare the same floating-point ``c(s, i)``, so the split found in 2 is feasible. Time
+    Step 2 allows ``T`` a slack of 1e-12 of the total cost, for rounding (sums of equal costs such as 0.3
+    round differently along different splits), and costs are first scaled below 1, by a power of two. Time
     O(partitions * n^2), the inner minimum vectorised: instantaneous for models of hundreds of layers.
     """
     n = len(costs)
@@ -55,7 +56,12 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
     bad = [c for c in values if not math.isfinite(c) or c < 0]
     if bad:
         raise ValueError(f"layer costs must be finite and non-negative, got {bad[:5]}")
-    if not any(values):  # every split is optimal and as even as any other: split as for equal costs
+    top = max(values)
+    if top > 0:  # scaled below 1 by a power of two, which is exact (ties stay ties): sums and squares of
+        # costs near the float maximum (1e308) would overflow to inf and nan
+        exponent = math.frexp(top)[1]
+        values = [math.ldexp(c, -exponent) for c in values]
+    else:  # every split is optimal and as even as any other: split as for equal costs
         values = [1.0] * n
     prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
     limit = _least_maximum(prefix, partitions)
@@ -76,6 +82,7 @@ def _least_maximum(prefix: np.ndarray, partitions: int) -> float:
 
 def _most_even(prefix: np.ndarray, partitions: int, limit: float) -> list[int]:
     n = len(prefix) - 1
+    limit += 1e-12 * prefix[n]  # a stage cost is a difference of rounded sums: 0.3 + 0.3 > 0.9 - 0.3
     squares = np.where(prefix <= limit, prefix ** 2, np.inf)  # k = 1
     cuts = np.zeros((partitions + 1, n + 1), dtype=np.int64)
     for k in range(2, partitions + 1):
@@ -84,7 +91,8 @@ def _most_even(prefix: np.ndarray, partitions: int, limit: float) -> list[int]:
             starts = np.arange(k - 1, i)
             last_cost = prefix[i] - prefix[starts]
             candidates = np.where(last_cost <= limit, squares[k - 1:i] + last_cost ** 2, np.inf)
-            pick = len(candidates) - 1 - int(np.argmin(candidates[::-1]))  # the latest minimising start
+            # the latest start within rounding of the least: sums of equal costs such as 0.3 round
+            pick = int(np.flatnonzero(candidates <= candidates.min() * (1 + 1e-12))[-1])
             nxt[i], cuts[k, i] = candidates[pick], starts[pick]
         squares = nxt
     if not math.isfinite(float(squares[n])):
