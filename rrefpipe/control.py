@@ -65,13 +65,14 @@ def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: floa
     return _rewrite_gradients(pipe_id, index, context_id, lambda grads: grad_scaler.unscale(grads, inv_scale))
 
 
-def convert(pipe_id: str, index: int, dtype: torch.dtype) -> None:
-    """Convert this stage's floating-point parameters and buffers to ``dtype``, after any optimizer step
-    queued on its device. ``nn.Module.to`` keeps each Parameter object, so RRefs to them stay valid."""
+def convert(pipe_id: str, index: int, dtype: torch.dtype | None, memory_format: torch.memory_format | None) -> None:
+    """Convert this stage's floating-point parameters and buffers to ``dtype`` and its 4-D ones to
+    ``memory_format`` (None: as they are), after any optimizer step queued on its device. ``nn.Module.to``
+    keeps each Parameter object, so RRefs to them stay valid."""
     server = _server(pipe_id, index)
     server.stream.settle()
     with server.stream.running():
-        server.stage.module.to(dtype)
+        server.stage.module.to(dtype=dtype, memory_format=memory_format)
     server.stream.settle()  # before the reply: the next forward may run on another stream
 
 

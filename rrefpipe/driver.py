@@ -222,8 +222,8 @@ class RemoteDriver:
     def set_training(self, mode: bool) -> None:
         self._call_all(control.set_training, mode)
 
-    def convert(self, dtype: torch.dtype) -> None:
-        self._call_all(control.convert, dtype)
+    def convert(self, dtype: torch.dtype | None, memory_format: torch.memory_format | None = None) -> None:
+        self._call_all(control.convert, dtype, memory_format)
 
     def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
         return self._call_all(control.gradient_norm, context_id, norm_type)

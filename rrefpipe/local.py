@@ -36,6 +36,12 @@ class LocalDriver:
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._steps = itertools.count()
+        self.closed = False
+
+    def close(self) -> None:
+        """The layers stay the pipe's (its state dict still reads them); forwards are refused, as on
+        workers, so code written for one world behaves the same in the other."""
+        self.closed = True
 
     @property
     def infos(self) -> list[StageInfo]:
@@ -54,6 +60,8 @@ class LocalDriver:
         return [grad_scaler.unscale(self._gradients(context_id), inv_scale)]
 
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+        if self.closed:
+            raise RuntimeError("this Pipe is closed; build a new Pipe")
         batches = microbatch.scatter(value, self.chunks)
         m, grad = len(batches), torch.is_grad_enabled()
         meta = StepMeta(step=next(self._steps), chunks=m,

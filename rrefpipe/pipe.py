@@ -437,7 +437,7 @@ class Pipe(nn.Module):
         if self._finalizer is not None:
             self._finalizer.detach()
         driver = getattr(self, "_driver", None)
-        if isinstance(driver, RemoteDriver):
+        if driver is not None:
             driver.close()
         self._stop_local_workers()
         _release(_close_abandoned())
@@ -483,21 +483,25 @@ class Pipe(nn.Module):
 
     # -- dtype and device ----------------------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
-        """``pipe.to(dtype)`` converts every stage's floating-point parameters and buffers, as on one
-        module (on workers: in place, so ``parameter_rrefs`` taken before still reach them). A device, or
-        a tensor to take one from, is refused, as PyTorch's Pipe refused it: ``devices=`` places stages."""
+        """``pipe.to(dtype)`` converts every stage's floating-point parameters and buffers, and
+        ``pipe.to(memory_format=torch.channels_last)`` their 4-D ones, as on one module (on workers: in
+        place, so ``parameter_rrefs`` taken before still reach them). A device, or a tensor to take one
+        from, is refused, as PyTorch's Pipe refused it: ``devices=`` places stages."""
         dtype = kwargs.pop("dtype", None)
+        memory_format = kwargs.pop("memory_format", None)
         if args and isinstance(args[0], torch.dtype) and dtype is None:
             dtype, args = args[0], args[1:]
         if len(args) == 1 and isinstance(args[0], bool):  # to(dtype, non_blocking)
             kwargs["non_blocking"], args = args[0], ()
-        if dtype is None or args or set(kwargs) - {"non_blocking"}:
+        if (dtype is None and memory_format is None) or args or set(kwargs) - {"non_blocking"}:
             self._refuse_to_move()
+        if memory_format is not None and not isinstance(memory_format, torch.memory_format):
+            raise TypeError(f"memory_format must be a torch.memory_format, got {memory_format!r}")
         if isinstance(self._driver, LocalDriver):
-            return super().to(dtype, **kwargs)
-        if not (dtype.is_floating_point or dtype.is_complex):
+            return super().to(dtype=dtype, memory_format=memory_format, **kwargs)
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"Pipe.to only accepts floating point or complex dtypes, but got desired dtype={dtype}")
-        self._driver.convert(dtype)
+        self._driver.convert(dtype, memory_format)
         return self
 
     def half(self) -> Pipe:
@@ -541,8 +545,9 @@ class Pipe(nn.Module):
 
 def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
     """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied)."""
-    if not any(isinstance(m, _BatchNorm) for m in module.modules()):
-        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer")
+    if not any(isinstance(m, _BatchNorm) and m.track_running_stats for m in module.modules()):
+        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that tracks "
+                  "running statistics)")
         return module
     converted = nn.Sequential(OrderedDict(
         (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()

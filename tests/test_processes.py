@@ -312,6 +312,7 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
         assert pipe.to(torch.float64) is pipe and model[0].weight.dtype == torch.float64  # a dtype is no move
         assert pipe.float() is pipe and model[0].weight.dtype == torch.float32
         assert pipe.to(torch.float32, True) is pipe  # to(dtype, non_blocking), as nn.Module takes it
+        assert pipe.to(memory_format=torch.channels_last) is pipe  # (no 4-D weights here: nothing changes)
         parent = Parent(pipe, width=6)
         assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
         new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
@@ -331,6 +332,12 @@ def test_world_size_one_pipe_is_a_module_like_pytorchs():
             torch.testing.assert_close(p.grad, q.grad)
         with pytest.warns(UserWarning, match="no BatchNorm layers"):
             Pipe(nn.Sequential(nn.Linear(2, 2)), deferred_batch_norm=True)
+        with pytest.warns(UserWarning, match="no BatchNorm layers.*tracks running statistics"):
+            Pipe(nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)), deferred_batch_norm=True)
+        pipe.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            pipe(x)
+        assert list(pipe.state_dict()) == list(plain.state_dict())  # the layers are still the pipe's
         dist.destroy_process_group()
         rpc.shutdown()
     """)

@@ -246,3 +246,32 @@ def test_dtype_conversions_reach_the_stages_and_device_moves_are_refused(cluster
                             lambda: pipe.to(torch.int64)):
             with pytest.raises(TypeError):
                 unreachable()
+
+
+def test_a_memory_format_reaches_the_stages_in_place(cluster):
+    """pipe.to(memory_format=torch.channels_last) re-lays the stages' 4-D weights on their workers, as
+    model.to(memory_format=...) would, keeping the Parameter objects that RRefs taken before reach."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, 6, 6)
+    with Pipe(model, chunks=2, balance=[2, 1], checkpoint="never", workers=cluster.names[:2]) as pipe:
+        weights = [r for r in pipe.parameter_rrefs() if r.rpc_sync().dim() == 4]
+        assert len(weights) == 2
+        def channels_last():
+            return [w.rpc_sync().is_contiguous(memory_format=torch.channels_last) for w in weights]
+
+        assert channels_last() == [False, False]
+        assert pipe.to(memory_format=torch.channels_last) is pipe
+        assert channels_last() == [True, True]
+        with dist_autograd.context() as ctx:
+            out = pipe(x).local_value()
+            pipe.backward(ctx, out.square().sum())
+            grads = stage_gradients(pipe, ctx)
+        torch.testing.assert_close(out, plain(x))
+        plain(x).square().sum().backward()
+        assert set(grads) == {name for name, _ in plain.named_parameters()}
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+        with pytest.raises(TypeError, match="memory_format"):
+            pipe.to(memory_format="channels_last")
