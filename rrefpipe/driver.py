@@ -99,19 +99,38 @@ def deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | Non
     still leaves as soon as it is computed. Tiny 2-stage model, m=32: 51-53 -> 31 ms per step. Gathered
     on the last stage, the message carries one tensor per output tensor instead of two per micro-batch
     (value and phony)."""
+    collector = _collector(pipe_id, step)
+    if collector is not None:
+        collector.output, collector.phony = value, phony
+        collector.done.set()
+
+
+def keep_phony(pipe_id: str, step: int, phony: Tensor) -> None:
+    """Called (over RPC, by the last stage) with the phony of a step whose output stays there
+    (``remote_output``) and cannot carry a gradient (integer tensors only): no loss can use that output,
+    and ``pipe.backward`` reaches the step's sends through the phony instead (see ``deliver``). It comes
+    before the first stage reports the step done."""
+    collector = _collector(pipe_id, step)
+    if collector is not None:
+        collector.phony = phony
+
+
+def _collector(pipe_id: str, step: int) -> _Collector | None:
+    """The collector of a step still running, or None for one the driver already gave up on (it timed
+    out, say).
+
+    A message of a step given up may come after the user left the step's dist_autograd.context():
+    distributed autograd then created that context here again, to hold the message's receive node, and
+    unless the last stage's own clean-up of it happens to come later, nothing releases it and it keeps
+    the step's output for the life of the process (1 of 3 runs with two timed-out steps in a row). The
+    user's own context holds a send node (the forward's message to the first stage), one made by the
+    delivery none."""
     collector = _collectors.get((pipe_id, step))
-    if collector is None:  # a step the driver already gave up on (it timed out, say)
-        # It may come after the user left the step's dist_autograd.context(): distributed autograd then
-        # created that context here again, to hold the message's receive node, and unless the last stage's
-        # own clean-up of it happens to come later, nothing releases it and it keeps the step's output for
-        # the life of the process (1 of 3 runs with two timed-out steps in a row). The user's own context
-        # holds a send node (the forward's message to the first stage), one made by the delivery none.
+    if collector is None:
         context_id = _rpc.current_context_id()
         if context_id is not None:
             _rpc.release_if_only_received(context_id)
-        return
-    collector.output, collector.phony = value, phony
-    collector.done.set()
+    return collector
 
 
 def _send_copy(t: Tensor) -> Tensor:
@@ -281,7 +300,8 @@ class RemoteDriver:
                 step=step, chunks=len(batches),
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(batches), enabled=training and grad_enabled),
                 grad_enabled=grad_enabled,
-                deliver_to=None if self.remote_output else _rpc.self_name(),
+                driver=_rpc.self_name(),
+                keep_output=self.remote_output,
                 timeout=self.rpc_timeout,
                 per_message=self.microbatches_per_message,
                 autocast=autocast.capture(),
@@ -300,9 +320,12 @@ class RemoteDriver:
         forwards = self._forwards(context_id)
         if forwards is not None:
             forwards.steps.append(step)
+        if collector.phony is not None and context_id is not None:  # an output no loss can use
+            _keep_unreached(context_id, collector.phony)
+            self._warn_no_gradient_output()
         if self.remote_output:
             last = len(self.infos) - 1
-            if forwards is not None:
+            if forwards is not None and collector.phony is None:
                 forwards.remote += 1
             return rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
                               timeout=self.rpc_timeout)
@@ -313,9 +336,6 @@ class RemoteDriver:
             if nodes:
                 forwards.outputs.append(nodes)
                 _refuse_local_backward(collector.output)
-            elif collector.phony is not None and context_id is not None:
-                _keep_unreached(context_id, collector.phony)
-                self._warn_no_gradient_output()
         return rpc.RRef(collector.output)
 
     def _warn_no_gradient_output(self) -> None:
@@ -449,7 +469,7 @@ class RemoteDriver:
         # Wait on an Event, which Ctrl-C interrupts, not in the future's own wait, which it does not.
         report.add_done_callback(lambda _: collector.done.set())
         collector.done.wait()
-        if meta.deliver_to is not None and not report.done():
+        if not meta.keep_output and not report.done():
             return  # the output is in; the report is still on its way
         try:
             failures = report.wait()

@@ -66,7 +66,7 @@ class LocalDriver:
         m, grad = len(batches), torch.is_grad_enabled()
         meta = StepMeta(step=next(self._steps), chunks=m,
                         checkpoint_stop=checkpoint_stop(self.checkpoint, m, enabled=training and grad),
-                        grad_enabled=grad, deliver_to=None, timeout=0.0)
+                        grad_enabled=grad, driver=_rpc.self_name(), timeout=0.0)
         values: list[TensorOrTensors] = list(batches)
         skips: list[dict[SkipKey, Tensor | None]] = [{} for _ in range(m)]
         for tick in clock_cycles(m, len(self.stages)):

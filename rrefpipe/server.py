@@ -134,6 +134,7 @@ class StageServer:
         self._draining = False
         self._failure: Failure | None = None
         self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (no driver to deliver to)
+        self._kept_phonies: list[Tensor] = []  # of kept outputs that cannot carry a gradient, for the driver
         self._outputs: dict[int, _Output] = {}  # the last stage's outputs for the driver, until all are in
         self._held: list[_Held] = []  # outputs waiting to fill a message to the next stage
 
@@ -204,7 +205,7 @@ class StageServer:
                 self.stream.settle()  # after an optimizer step queued between the two on another stream
                 self._step, self._next_i, self._failure = meta.step, 0, None
                 self._pending.clear()
-                self._kept, self._outputs, self._held = {}, {}, []
+                self._kept, self._kept_phonies, self._outputs, self._held = {}, [], {}, []
             jobs = []
             for i, update in updates.items():
                 job = self._pending.setdefault(i, _Job(i))
@@ -266,8 +267,13 @@ class StageServer:
             if job.i == job.meta.chunks - 1:  # idle here until that micro-batch's gradient comes back
                 self.stage.recompute_soon(job.meta.step, job.i)
             return  # the job completes when its message (and its skips) went through
-        if job.meta.deliver_to is None:
+        if job.meta.keep_output:
             self._kept[job.i] = out.value
+            if out.phony is not None and not _carries_gradient(out.value):
+                self._kept_phonies.append(out.phony)
+            if job.i == job.meta.chunks - 1 and self._kept_phonies:  # (see ``_deliver``)
+                phony, self._kept_phonies = torch.cat(self._kept_phonies), []
+                sends.append(self._send(job, None, _driver_keep_phony, (self.pipe_id, job.meta.step, phony)))
         else:
             value, copied = to_host(out.value)  # the driver keeps its tensors on the CPU
             self._outputs[job.i] = _Output(value, out.phony, copied)
@@ -313,8 +319,8 @@ class StageServer:
         for output in ordered:
             output.copied()
         values = [output.value for output in ordered]
-        unreached = [output.phony for output in ordered if output.phony is not None
-                     and not any(t.requires_grad for t in microbatch.as_tensors(output.value))]
+        unreached = [output.phony for output in ordered
+                     if output.phony is not None and not _carries_gradient(output.value)]
         try:
             gathered = microbatch.gather(values)
             phony = torch.cat(unreached) if unreached else None
@@ -339,8 +345,7 @@ class StageServer:
     def _send(self, job: _Job, stage: int | None, fn: Any, args: tuple[Any, ...]) -> Future[Status]:
         """An RPC to stage ``stage`` (None: the driver); a failed send names the receiving worker."""
         assert job.meta is not None
-        target = job.meta.deliver_to if stage is None else self.workers[stage]
-        assert target is not None
+        target = job.meta.driver if stage is None else self.workers[stage]
         result: Future[Status] = Future()
 
         def blame(exc: BaseException) -> Failure:
@@ -497,6 +502,16 @@ def receive_skip(pipe_id: str, index: int, meta: StepMeta, i: int, key: SkipKey,
 
 def take_output(pipe_id: str, index: int, step: int) -> TensorOrTensors:
     return _server(pipe_id, index).take_output(step)
+
+
+def _carries_gradient(value: TensorOrTensors) -> bool:
+    return any(t.requires_grad for t in microbatch.as_tensors(value))
+
+
+def _driver_keep_phony(pipe_id: str, step: int, phony: Tensor) -> None:
+    from .driver import keep_phony  # runs on the driver; imported lazily to keep the module graph acyclic
+
+    keep_phony(pipe_id, step, phony)
 
 
 def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None) -> None:

@@ -41,8 +41,9 @@ class StepMeta:
     chunks: int
     checkpoint_stop: int
     grad_enabled: bool
-    deliver_to: str | None  # the driver's worker name, or None to keep the output on the last stage
+    driver: str  # the driver's worker name: the last stage delivers the output there
     timeout: float
+    keep_output: bool = False  # the output stays on the last stage (only phonies no loss can reach go)
     per_message: int = 1  # micro-batches per message from a stage to the next
     autocast: tuple[AutocastRegion, ...] = ()  # the driver's autocast regions around the forward
 

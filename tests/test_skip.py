@@ -133,7 +133,7 @@ def test_stages_report_only_the_skips_that_leave_their_layers():
     verify_stage_skips([(info.stashes, info.pops) for info in infos])
     for stage, routes in zip(stages, route([(info.stashes, info.pops) for info in infos])):
         stage.routes = routes
-    meta = StepMeta(step=0, chunks=1, checkpoint_stop=0, grad_enabled=False, deliver_to=None, timeout=1.0)
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=0, grad_enabled=False, driver="driver", timeout=1.0)
     x = torch.randn(3, 6)
     first = stages[0].run(meta, 0, x)
     assert list(first.skips) == [(ns, "skip")]  # the crossing skip only

@@ -11,7 +11,7 @@ from tests.layers import RaiseInRecompute
 
 
 def _meta(grad: bool, stop: int) -> StepMeta:
-    return StepMeta(step=0, chunks=2, checkpoint_stop=stop, grad_enabled=grad, deliver_to=None, timeout=1.0)
+    return StepMeta(step=0, chunks=2, checkpoint_stop=stop, grad_enabled=grad, driver="driver", timeout=1.0)
 
 
 def _stage() -> Stage:
@@ -38,7 +38,7 @@ def test_recompute_failures_are_kept_by_step_and_taken_once():
     or ones reported already, must not come back as the cause (every micro-batch of a step can fail)."""
     stage = Stage(0, nn.Sequential(nn.Linear(4, 4), RaiseInRecompute()), torch.device("cpu"), "here")
     for step in (0, 1):
-        meta = StepMeta(step=step, chunks=2, checkpoint_stop=2, grad_enabled=True, deliver_to=None, timeout=1.0)
+        meta = StepMeta(step=step, chunks=2, checkpoint_stop=2, grad_enabled=True, driver="driver", timeout=1.0)
         for i in range(2):
             out = stage.run(meta, i, torch.randn(2, 4)).value
             with pytest.raises(IndexError, match="only on recompute"):
@@ -136,7 +136,7 @@ def _ahead_stage(module: nn.Sequential) -> Stage:
 def test_a_recomputation_ahead_is_dropped_when_another_forward_comes_first():
     """Several forwards before one backward: each keeps its inputs only, as checkpointing promises."""
     stage = _ahead_stage(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
-    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, deliver_to=None, timeout=1.0)
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, driver="driver", timeout=1.0)
     x = torch.randn(3, 4, requires_grad=True)
     first = stage.run(meta, 0, x).value
     run = stage._ahead._runs[(0, 0)]()
@@ -162,7 +162,7 @@ def test_a_checkpointed_forward_with_a_stash_goes_with_its_graph():
     stage = _ahead_stage(nn.Sequential(nn.Linear(4, 4), StashInput(), nn.Tanh()))
     key = (DEFAULT, "skip")
     stage.routes = SkipRoutes({key: 1}, frozenset())
-    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, deliver_to=None, timeout=1.0)
+    meta = StepMeta(step=0, chunks=1, checkpoint_stop=1, grad_enabled=True, driver="driver", timeout=1.0)
     gc.disable()
     try:
         result = stage.run(meta, 0, torch.randn(3, 4), [new_phony()])

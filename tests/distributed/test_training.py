@@ -112,24 +112,28 @@ class ArgMax(torch.nn.Module):
         return x.argmax(dim=1)
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["delivered", "kept"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_labels_from_a_pipe_train_a_student(cluster, checkpoint):
+def test_labels_from_a_pipe_train_a_student(cluster, checkpoint, remote):
     """A teacher pipe that outputs integer labels, run with gradients on in the step's context, and a
     second pipe (the student) trained on them: no loss can reach the teacher's sends, and backward never
     returned. pipe.backward reaches them (the student's, though it knows nothing of the teacher), plain
-    dist_autograd.backward would not: the forward warns. The student's gradients are the plain ones."""
+    dist_autograd.backward would not: the forward warns. The student's gradients are the plain ones.
+    Labels kept on the teacher's last worker (remote_output=True) too: backward waited for their sends
+    until the RPC timeout, as the last stage kept what reaches them."""
     teacher_model = torch.nn.Sequential(*mlp([10, 16, 4], seed=4), ArgMax())
     student_model = mlp([10, 16, 4], seed=3)
     reference = twin(student_model)
     (x, _), = blobs(1, 12, seed=5)
     F.cross_entropy(reference(x), teacher_model(x)).backward()
-    with Pipe(teacher_model, chunks=3, balance=[2, 2], workers=cluster.names[:2], checkpoint=checkpoint) as teacher, \
+    with Pipe(teacher_model, chunks=3, balance=[2, 2], workers=cluster.names[:2], checkpoint=checkpoint,
+              remote_output=remote) as teacher, \
             Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4], checkpoint=checkpoint) as student:
         for step in range(2):  # the teacher's workers are ready for the next step
             with dist_autograd.context() as ctx:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    labels = teacher(x).local_value()
+                    labels = teacher(x).to_here()
                 warned = [str(w.message) for w in caught if "cannot carry a gradient" in str(w.message)]
                 assert len(warned) == (0 if step else 1), warned  # once per pipe
                 assert all("plain dist_autograd.backward would wait for them for ever" in w for w in warned)
