@@ -72,7 +72,8 @@ def convert(pipe_id: str, index: int, dtype: torch.dtype | None, memory_format: 
     server = _server(pipe_id, index)
     server.stream.settle()
     with server.stream.running():
-        server.stage.module.to(dtype=dtype, memory_format=memory_format)
+        conversion: dict[str, Any] = {"dtype": dtype, "memory_format": memory_format}  # (not in torch's stubs)
+        server.stage.module.to(**conversion)
     server.stream.settle()  # before the reply: the next forward may run on another stream
 
 

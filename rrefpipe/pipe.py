@@ -498,7 +498,8 @@ class Pipe(nn.Module):
         if memory_format is not None and not isinstance(memory_format, torch.memory_format):
             raise TypeError(f"memory_format must be a torch.memory_format, got {memory_format!r}")
         if isinstance(self._driver, LocalDriver):
-            return super().to(dtype=dtype, memory_format=memory_format, **kwargs)
+            kwargs.update(dtype=dtype, memory_format=memory_format)  # (memory_format is not in torch's stubs)
+            return super().to(**kwargs)
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"Pipe.to only accepts floating point or complex dtypes, but got desired dtype={dtype}")
         self._driver.convert(dtype, memory_format)
