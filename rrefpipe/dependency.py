@@ -134,10 +134,10 @@ def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[]
 
     ``as_is``: a first tensor that needs no gradient stays so, as in the plain module; the phony that
     goes with it to the next stage, joined there, keeps this hop in backward. An output leaving the
-    pipe (``as_is=False``) has the tensor made to require grad instead: a kept output
-    (``remote_output``) loses its phony, and the driver's loss may use no other tensor of the step's
-    output message (a frozen teacher's), where backward must still reach every send. There the first tensor that can carry a
-    gradient is the one (an integer mask first, say, cannot)."""
+    pipe (``as_is=False``) has the tensor made to require grad instead: a kept output (``remote_output``)
+    loses its phony, and the driver's loss may use no other tensor of the step's output message (a
+    frozen teacher's), where backward must still reach every send. There the first tensor that can
+    carry a gradient is the one (an integer mask first, say, cannot)."""
     tensors = [value] if isinstance(value, Tensor) else list(value)
     k = 0 if as_is else next((j for j, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()), 0)
     tensors[k], phony = _Hop.apply(callback, as_is, tensors[k], *phonies)

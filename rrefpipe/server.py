@@ -133,7 +133,7 @@ class StageServer:
         self._pending: dict[int, _Job] = {}
         self._draining = False
         self._failure: Failure | None = None
-        self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (no driver to deliver to)
+        self._kept: dict[int, TensorOrTensors] = {}  # outputs that stay here (``StepMeta.keep_output``)
         self._kept_phonies: list[Tensor] = []  # of kept outputs that cannot carry a gradient, for the driver
         self._outputs: dict[int, _Output] = {}  # the last stage's outputs for the driver, until all are in
         self._held: list[_Held] = []  # outputs waiting to fill a message to the next stage
