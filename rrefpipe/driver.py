@@ -9,10 +9,9 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import cloudpickle
 import torch
@@ -21,7 +20,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, control, microbatch, server
+from . import _rpc, autocast, contexts, control, microbatch, server
 from .dependency import new_phony
 from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
@@ -47,45 +46,6 @@ class _Collector:
 
 _collectors: dict[tuple[str, int], _Collector] = {}
 _pipe_ids = itertools.count()
-# Per autograd context (the latest 64), the phonies of every pipe's outputs there that cannot carry a
-# gradient (integer tensors only): any pipe's backward in the context reaches those forwards' sends
-# through them, where no loss can.
-_unreached: OrderedDict[int, list[Tensor]] = OrderedDict()
-_unreached_lock = threading.Lock()
-
-
-_V = TypeVar("_V")
-
-
-def _latest(entries: OrderedDict[int, _V], context_id: int, new: Callable[[], _V]) -> _V:
-    """The entry of ``context_id`` in ``entries`` (made with ``new`` if missing), which keep the latest 64
-    contexts: a context is never told it ended, so older ones are dropped."""
-    entry = entries.setdefault(context_id, new())
-    entries.move_to_end(context_id)
-    while len(entries) > 64:
-        entries.popitem(last=False)
-    return entry
-
-
-def _keep_unreached(context_id: int, phony: Tensor) -> None:
-    with _unreached_lock:
-        _latest(_unreached, context_id, list).append(phony)
-
-
-def _take_unreached(context_id: int) -> list[Tensor]:
-    with _unreached_lock:
-        return _unreached.pop(context_id, [])
-
-
-@dataclass
-class _Forwards:
-    """A pipe's forwards in one autograd context, for its backward there: their steps (a stage's
-    recorded failure is looked up by step), the autograd nodes of each output that came here, and how
-    many outputs stayed on the last worker."""
-
-    steps: list[int] = field(default_factory=list)
-    outputs: list[list[Any]] = field(default_factory=list)
-    remote: int = 0
 
 
 def deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None = None) -> None:
@@ -155,11 +115,6 @@ class RemoteDriver:
         self._warned_no_context = False
         self._warned_no_gradient_output = False
         self._closed = False
-        self._failed_contexts: deque[int | None] = deque(maxlen=64)  # contexts in which a forward failed
-        self._backward_contexts: deque[int] = deque(maxlen=64)  # contexts this pipe ran a backward in
-        # Per context, its forwards: one left out of the loss would keep backward waiting for its sends
-        # until the RPC timeout.
-        self._contexts: OrderedDict[int, _Forwards] = OrderedDict()
         self.infos: list[StageInfo] = []
         try:
             for spec in specs:
@@ -311,17 +266,18 @@ class RemoteDriver:
             try:
                 self._run(meta, value, collector)
             except BaseException:
-                if grad_enabled:  # its sends stay in the context, and backward would wait for them
-                    self._failed_contexts.append(_rpc.current_context_id())
+                context_id = _rpc.current_context_id()
+                if grad_enabled and context_id is not None:  # its sends stay in the context
+                    contexts.forward_failed(context_id, self.pipe_id)
                 raise
             finally:
                 del _collectors[(self.pipe_id, step)]
         context_id = _rpc.current_context_id() if grad_enabled else None
-        forwards = self._forwards(context_id)
+        forwards = None if context_id is None else contexts.forwards(context_id, self.pipe_id)
         if forwards is not None:
             forwards.steps.append(step)
         if collector.phony is not None and context_id is not None:  # an output no loss can use
-            _keep_unreached(context_id, collector.phony)
+            contexts.keep_unreached(context_id, collector.phony)
             self._warn_no_gradient_output()
         if self.remote_output:
             last = len(self.infos) - 1
@@ -345,72 +301,23 @@ class RemoteDriver:
                       "gradients in a dist_autograd.context(): pipe.backward(ctx, loss) reaches its sends, but a plain "
                       "dist_autograd.backward would wait for them for ever. Run such forwards under torch.no_grad()")
 
-    def _forwards(self, context_id: int | None) -> _Forwards | None:
-        """The record of this pipe's forwards in autograd context ``context_id`` (the latest 64 kept)."""
-        return None if context_id is None else _latest(self._contexts, context_id, _Forwards)
-
-    def _check_outputs_in_loss(self, context_id: int, forwards: _Forwards, losses: list[Tensor]) -> None:
-        """Refuse at once a backward whose losses leave out a forward of this context.
-
-        Each output that came here is checked by its nodes. Outputs kept on the last worker are fetched
-        by the caller (``to_here()``), so only one thing can be said of them: a loss that reaches no
-        received tensor at all leaves every one of them out, and then nothing could end the wait (the
-        driver's engine waits for a gradient of its own send to the first stage, with no RPC in flight
-        for the timeout to end)."""
-        if not forwards.outputs and not forwards.remote:
-            return
-        reached: set[Any] = set()
-        todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node is not None and node not in reached:
-                reached.add(node)
-                todo.extend(next_node for next_node, _ in node.next_functions)
-        unused = [k for k, nodes in enumerate(forwards.outputs) if not any(node in reached for node in nodes)]
-        if unused:
-            raise RuntimeError(
-                f"forward {unused[0] + 1} of {len(forwards.outputs)} of this pipe in autograd context {context_id} is "
-                "not part of the loss: distributed autograd would wait for its sends until the RPC timeout, or for "
-                "ever. Run forwards you do not backpropagate (validation, metrics) under torch.no_grad() or outside "
-                "the context")
-        if forwards.remote and not any(node.name().endswith("RecvRpcBackward") for node in reached):
-            raise RuntimeError(
-                f"the loss uses no output of the {forwards.remote} forward(s) of this pipe in autograd context "
-                f"{context_id} whose outputs stayed on the last worker (remote_output=True): distributed autograd "
-                "would wait for their sends for ever. Use the fetched output (rref.to_here()) in the loss, or run "
-                "forwards you do not backpropagate under torch.no_grad() or outside the context")
-
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
         self._check_open()
-        if context_id in self._failed_contexts:
-            raise RuntimeError(f"a forward of this pipe failed in autograd context {context_id}: distributed "
-                               "autograd would wait for the sends of that forward until the RPC timeout, or for "
-                               "ever. Run the step again in a new dist_autograd.context()")
-        if context_id in self._backward_contexts:
-            raise RuntimeError(f"this pipe already ran a backward in autograd context {context_id}: distributed "
-                               "autograd takes one backward per context (a second waits for the first one's sends "
-                               "until the RPC timeout). Run each step in its own dist_autograd.context(); to "
-                               "accumulate gradients, sum the losses of several forwards into one backward")
-        forwards = self._contexts.get(context_id) or _Forwards()
-        self._check_outputs_in_loss(context_id, forwards, losses)  # refused: kept for a corrected retry
-        self._contexts.pop(context_id, None)
-        self._backward_contexts.append(context_id)
-        with torch.enable_grad():  # a zero-size phony's sum: a scalar 0 whose gradient reaches its forward's sends
-            unreached = [phony.sum() for phony in _take_unreached(context_id)]
+        forwards, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
         try:
             dist_autograd.backward(context_id, losses + unreached)
         except RuntimeError as exc:
             raise self._explain(exc, "backward", forwards) from exc
 
-    def _explain(self, exc: BaseException, phase: str, forwards: _Forwards | None = None) -> BaseException:
+    def _explain(self, exc: BaseException, phase: str, forwards: contexts.Forwards | None = None) -> BaseException:
         """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
         StageError naming the stage.
 
         A transport error names the node that *saw* a peer vanish (the stage sending a gradient to a
         dead worker), so the stage workers are probed first and a dead one is named instead.
         ``forwards``: this pipe's forwards in the failed backward's context."""
-        forwards = forwards or _Forwards()
+        forwards = forwards or contexts.Forwards()
         text = str(exc)
         matches = list(_NODE.finditer(text))
         names = _rpc.worker_names()

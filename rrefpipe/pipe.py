@@ -295,10 +295,10 @@ class Pipe(nn.Module):
             StageError: a stage (or its recomputation) raised in backward; ``WorkerError`` for a dead
                 worker.
             RuntimeError: at once, where distributed autograd would wait until the RPC timeout (or
-                for ever) for sends of this context that no gradient reaches: a forward of this pipe
-                failed in it, a forward's output is not part of ``loss`` (with ``remote_output``:
-                ``loss`` uses no fetched output at all), or this pipe already ran a backward in it
-                (start a new context; run forwards you do not backpropagate under no_grad).
+                for ever) for sends of this context that no gradient reaches: a forward of any pipe of
+                this process failed in it, a forward's output is not part of ``loss`` (with
+                ``remote_output``: ``loss`` uses no fetched output at all), or a backward already ran
+                in it (start a new context; run forwards you do not backpropagate under no_grad).
         """
         losses = [loss] if isinstance(loss, Tensor) else list(loss)
         if isinstance(self._driver, RemoteDriver):

@@ -107,6 +107,37 @@ def test_a_loss_that_uses_no_kept_output_is_refused_at_once(cluster):
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_teacher_pipe_whose_output_the_loss_detaches_is_refused_by_the_students_backward(cluster):
+    """Distillation with a frozen teacher pipe run with gradients in the step's context, its output
+    detached as the target: no gradient reaches the teacher's sends, and the student's backward waited
+    for them for ever (the student knew only its own forwards). Any pipe's backward now checks every
+    pipe's forwards in the context; a second backward there, by either pipe, is refused too. With the
+    teacher under no_grad the student's gradients are the plain ones."""
+    teacher_model = mlp([10, 16, 4], seed=4)
+    student_model = mlp([10, 16, 4], seed=3)
+    reference = twin(student_model)
+    (x, _), = blobs(1, 12, seed=5)
+    F.mse_loss(reference(x), teacher_model(x).detach()).backward()
+    with Pipe(teacher_model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as teacher, \
+            Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4]) as student:
+        with dist_autograd.context() as ctx:
+            target = teacher(x).local_value().detach()
+            loss = F.mse_loss(student(x).local_value(), target)
+            for _ in range(2):  # refused again when retried, not waited out
+                with pytest.raises(RuntimeError, match=f"forward 1 of 1 of pipe {teacher._driver.pipe_id} in "
+                                                       r"autograd context \d+ is not part of the loss"):
+                    student.backward(ctx, loss)
+        with dist_autograd.context() as ctx:
+            with torch.no_grad():
+                target = teacher(x).local_value()
+            student.backward(ctx, F.mse_loss(student(x).local_value(), target))
+            grads = stage_gradients(student, ctx)
+            with pytest.raises(RuntimeError, match=f"pipe {student._driver.pipe_id} already ran a backward"):
+                teacher.backward(ctx, F.mse_loss(student(x).local_value(), target))
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
 class ArgMax(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=1)

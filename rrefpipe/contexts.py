@@ -1,0 +1,136 @@
+"""What this process's pipes did in each distributed autograd context, for the one backward it takes.
+
+Distributed autograd runs one backward per context, and that backward waits for a gradient of every
+send recorded in the context, whichever pipe recorded it. A forward whose output the loss does not
+reach (left out, or detached: a frozen teacher's targets), a forward that failed half-way, or a
+second backward would wait until the RPC timeout, or for ever where no RPC is in flight: the driver's
+engine waiting for its own send to a first stage. So the ledger is per process, not per pipe: any
+pipe's ``backward`` refuses those at once, and reaches the sends of outputs that no loss can use
+(integer tensors only) through the phonies kept for them.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+_KEPT = 64  # contexts: one is never told it ended, so older ones are dropped
+
+
+@dataclass
+class Forwards:
+    """One pipe's forwards in one context: their steps (a stage's recorded failure is looked up by step),
+    the autograd nodes of each output that came to the driver, and how many outputs stayed on the last
+    worker (``remote_output``)."""
+
+    steps: list[int] = field(default_factory=list)
+    outputs: list[list[Any]] = field(default_factory=list)
+    remote: int = 0
+
+
+@dataclass
+class _Context:
+    forwards: dict[str, Forwards] = field(default_factory=dict)  # by pipe id
+    failed: list[str] = field(default_factory=list)  # pipes whose forward failed here
+    unreached: list[Tensor] = field(default_factory=list)  # phonies of outputs no loss can use
+    backward_by: str | None = None  # the pipe that ran the context's backward
+
+
+_contexts: OrderedDict[int, _Context] = OrderedDict()
+_lock = threading.Lock()  # forwards run on the user's threads, deliveries on RPC threads
+
+
+def _entry(context_id: int) -> _Context:
+    entry = _contexts.setdefault(context_id, _Context())
+    _contexts.move_to_end(context_id)
+    while len(_contexts) > _KEPT:
+        _contexts.popitem(last=False)
+    return entry
+
+
+def forwards(context_id: int, pipe_id: str) -> Forwards:
+    """The record of pipe ``pipe_id``'s forwards in context ``context_id``, for a forward to add to."""
+    with _lock:
+        return _entry(context_id).forwards.setdefault(pipe_id, Forwards())
+
+
+def forward_failed(context_id: int, pipe_id: str) -> None:
+    """A forward failed after it may have sent: its sends stay in the context, and no gradient reaches them."""
+    with _lock:
+        _entry(context_id).failed.append(pipe_id)
+
+
+def keep_unreached(context_id: int, phony: Tensor) -> None:
+    """The phony of an output that cannot carry a gradient: the context's backward adds its sum (a zero)."""
+    with _lock:
+        _entry(context_id).unreached.append(phony)
+
+
+def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple[Forwards, list[Tensor]]:
+    """Check that ``losses`` can end the context's backward; returns pipe ``pipe_id``'s forwards there and
+    the zero losses that reach the sends of outputs no loss can use.
+
+    Raises:
+        RuntimeError: a forward failed in the context, a backward ran there already, or the losses
+            leave out a forward of any pipe there (nothing is changed: a corrected retry may follow).
+    """
+    with _lock:
+        entry = _contexts.get(context_id) or _Context()
+        if entry.failed:
+            raise RuntimeError(f"a forward of {_whose(entry.failed[0], pipe_id)} failed in autograd context "
+                               f"{context_id}: distributed autograd would wait for the sends of that forward until "
+                               "the RPC timeout, or for ever. Run the step again in a new dist_autograd.context()")
+        if entry.backward_by is not None:
+            raise RuntimeError(f"{_whose(entry.backward_by, pipe_id)} already ran a backward in autograd context "
+                               f"{context_id}: distributed autograd takes one backward per context (a second waits "
+                               "for the first one's sends until the RPC timeout, or for ever). Run each step in its "
+                               "own dist_autograd.context(); to accumulate gradients, sum the losses of several "
+                               "forwards into one backward")
+        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses)
+        entry.backward_by = pipe_id
+        unreached, entry.unreached = entry.unreached, []
+        mine = entry.forwards.get(pipe_id) or Forwards()
+        entry.forwards.clear()  # the nodes: the graph is spent
+    with torch.enable_grad():  # a zero-size phony's sum: a scalar 0 whose gradient reaches its forward's sends
+        return mine, [phony.sum() for phony in unreached]
+
+
+def _whose(pipe_id: str, caller: str) -> str:
+    return "this pipe" if pipe_id == caller else f"pipe {pipe_id}"
+
+
+def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, losses: list[Tensor]) -> None:
+    """Refuse a backward whose losses leave out a forward of the context, of any pipe.
+
+    Each output that came to the driver is checked by its nodes. Outputs kept on the last worker are
+    fetched by the caller (``to_here()``), so only one thing can be said of them: a loss that reaches
+    no received tensor at all leaves every one of them out."""
+    if not any(f.outputs or f.remote for f in by_pipe.values()):
+        return
+    reached: set[Any] = set()
+    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in reached:
+            reached.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    for pipe_id, record in by_pipe.items():
+        unused = [k for k, nodes in enumerate(record.outputs) if not any(node in reached for node in nodes)]
+        if unused:
+            raise RuntimeError(
+                f"forward {unused[0] + 1} of {len(record.outputs)} of {_whose(pipe_id, caller)} in autograd context "
+                f"{context_id} is not part of the loss (left out, or its output detached): distributed autograd "
+                "would wait for its sends until the RPC timeout, or for ever. Run forwards you do not backpropagate "
+                "(validation, metrics, a frozen teacher) under torch.no_grad() or outside the context")
+        if record.remote and not any(node.name().endswith("RecvRpcBackward") for node in reached):
+            raise RuntimeError(
+                f"the loss uses no output of the {record.remote} forward(s) of {_whose(pipe_id, caller)} in autograd "
+                f"context {context_id} whose outputs stayed on the last worker (remote_output=True): distributed "
+                "autograd would wait for their sends for ever. Use the fetched output (rref.to_here()) in the loss, "
+                "or run forwards you do not backpropagate under torch.no_grad() or outside the context")
