@@ -1,6 +1,8 @@
 """The one thin wrapper around the private corners of ``torch.distributed.rpc`` that rrefpipe needs."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
@@ -43,6 +45,15 @@ def context_exists(context_id: int) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def send_functions(context_id: int) -> list[Any]:
+    """The autograd nodes of this process's sends in context ``context_id`` (none if it has no such
+    context): roots of its backward besides the losses, as distributed autograd counts them."""
+    try:
+        return list(dist_autograd._retrieve_context(context_id)._send_functions().values())
+    except RuntimeError:
+        return []
 
 
 def release_if_only_received(context_id: int) -> None:

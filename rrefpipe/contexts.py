@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _rpc
+
 __all__: list[str] = []
 
 _KEPT = 64  # contexts: one is never told it ended, so older ones are dropped
@@ -43,7 +45,7 @@ class _Context:
 
 
 _contexts: OrderedDict[int, _Context] = OrderedDict()
-_lock = threading.Lock()  # forwards run on the user's threads, deliveries on RPC threads
+_lock = threading.Lock()  # pipes may run on several user threads
 
 
 def _entry(context_id: int) -> _Context:
@@ -80,8 +82,9 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
         RuntimeError: a forward failed in the context, a backward ran there already, or the losses
             leave out a forward of any pipe there (nothing is changed: a corrected retry may follow).
     """
+    sends = _rpc.send_functions(context_id)
     with _lock:
-        entry = _contexts.get(context_id) or _Context()
+        entry = _entry(context_id)
         if entry.failed:
             raise RuntimeError(f"a forward of {_whose(entry.failed[0], pipe_id)} failed in autograd context "
                                f"{context_id}: distributed autograd would wait for the sends of that forward until "
@@ -92,7 +95,7 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
                                "for the first one's sends until the RPC timeout, or for ever). Run each step in its "
                                "own dist_autograd.context(); to accumulate gradients, sum the losses of several "
                                "forwards into one backward")
-        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses)
+        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses, sends)
         entry.backward_by = pipe_id
         unreached, entry.unreached = entry.unreached, []
         mine = entry.forwards.get(pipe_id) or Forwards()
@@ -105,16 +108,19 @@ def _whose(pipe_id: str, caller: str) -> str:
     return "this pipe" if pipe_id == caller else f"pipe {pipe_id}"
 
 
-def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, losses: list[Tensor]) -> None:
+def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, losses: list[Tensor],
+                           sends: list[Any]) -> None:
     """Refuse a backward whose losses leave out a forward of the context, of any pipe.
 
-    Each output that came to the driver is checked by its nodes. Outputs kept on the last worker are
-    fetched by the caller (``to_here()``), so only one thing can be said of them: a loss that reaches
-    no received tensor at all leaves every one of them out."""
+    The graph is walked from the losses and from this process's sends, which distributed autograd
+    takes as roots too: an output fed into another pipe (``d(g(x))``) gets its gradient back through
+    the send of that pipe's input. Each output that came to the driver is checked by its nodes.
+    Outputs kept on the last worker are fetched by the caller (``to_here()``), so only one thing can be
+    said of them: a loss that reaches no received tensor at all leaves every one of them out."""
     if not any(f.outputs or f.remote for f in by_pipe.values()):
         return
     reached: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
+    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None] + sends
     while todo:
         node = todo.pop()
         if node is not None and node not in reached:

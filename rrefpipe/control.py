@@ -66,7 +66,7 @@ def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: floa
 
 
 def convert(pipe_id: str, index: int, dtype: torch.dtype | None, memory_format: torch.memory_format | None) -> None:
-    """Convert this stage's floating-point parameters and buffers to ``dtype`` and its 4-D ones to
+    """Convert this stage's floating-point parameters and buffers to ``dtype`` and its 4- and 5-D ones to
     ``memory_format`` (None: as they are), after any optimizer step queued on its device. ``nn.Module.to``
     keeps each Parameter object, so RRefs to them stay valid."""
     server = _server(pipe_id, index)

@@ -304,6 +304,7 @@ class RemoteDriver:
     def backward(self, context_id: int, losses: list[Tensor]) -> None:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
         self._check_open()
+        _check_losses(losses)
         forwards, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
         try:
             dist_autograd.backward(context_id, losses + unreached)
@@ -424,6 +425,20 @@ class RemoteDriver:
 _NODE = re.compile(r"Error on Node (\d+): ")
 _STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>\d+))? failed in (?P<phase>\w+): "
                             r"(?P<type>\w+): (?P<message>.*)", re.DOTALL)
+
+
+def _check_losses(losses: list[Tensor]) -> None:
+    """Refuse what ``dist_autograd.backward`` would, before the context records its one backward: a
+    corrected retry may then follow in the same context."""
+    for loss in losses:
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be a Tensor or a sequence of Tensors, got a {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise RuntimeError("the loss does not require grad (computed under torch.no_grad(), or from "
+                               "outputs of forwards run outside the dist_autograd context?)")
+        if loss.numel() != 1:
+            raise RuntimeError(f"the loss must be a scalar (one element), got shape {tuple(loss.shape)}: reduce "
+                               "it (.sum() or .mean()) first")
 
 
 def _refuse_local_backward(output: TensorOrTensors) -> None:

@@ -484,7 +484,7 @@ class Pipe(nn.Module):
     # -- dtype and device ----------------------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         """``pipe.to(dtype)`` converts every stage's floating-point parameters and buffers, and
-        ``pipe.to(memory_format=torch.channels_last)`` their 4-D ones, as on one module (on workers: in
+        ``pipe.to(memory_format=torch.channels_last)`` their 4- and 5-D ones, as on one module (on workers: in
         place, so ``parameter_rrefs`` taken before still reach them). A device, or a tensor to take one
         from, is refused, as PyTorch's Pipe refused it: ``devices=`` places stages."""
         dtype = kwargs.pop("dtype", None)

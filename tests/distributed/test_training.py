@@ -138,6 +138,53 @@ def test_a_teacher_pipe_whose_output_the_loss_detaches_is_refused_by_the_student
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
+def test_pipes_fed_one_into_another_train_through_one_pipes_backward(cluster):
+    """An encoder pipe's output fed into a decoder pipe (GAN-style d(g(z)), or one pipe applied twice):
+    the encoder's gradient comes back through the send of the decoder's input, which the loss check
+    did not follow, so every such backward was refused as "not part of the loss". Gradients of both
+    pipes equal the plain ones."""
+    encoder, decoder, twice = mlp([10, 16, 8], seed=1), mlp([8, 16, 4], seed=2), mlp([10, 12, 10], seed=3)
+    plain = [twin(m) for m in (encoder, decoder, twice)]
+    (x, _), = blobs(1, 12, seed=5)
+    plain[1](plain[0](x)).square().mean().backward()
+    plain[2](plain[2](x)).square().mean().backward()
+    with Pipe(encoder, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as g, \
+            Pipe(decoder, chunks=3, balance=[2, 1], workers=cluster.names[2:4]) as d, \
+            Pipe(twice, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as t:
+        with dist_autograd.context() as ctx:
+            d.backward(ctx, d(g(x).local_value()).local_value().square().mean())
+            grads = [stage_gradients(g, ctx), stage_gradients(d, ctx)]
+        with dist_autograd.context() as ctx:
+            t.backward(ctx, t(t(x).local_value()).local_value().square().mean())
+            grads.append(stage_gradients(t, ctx))
+    for model, got in zip(plain, grads):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_loss_backward_cannot_take_is_refused_before_the_context_records_a_backward(cluster):
+    """A loss that is not a scalar, or needs no gradient, is refused as dist_autograd.backward would
+    refuse it, but before the context counts its one backward: the corrected retry in the same context
+    runs (it had been refused as a second backward)."""
+    model = mlp([10, 16, 4], seed=3)
+    reference = twin(model)
+    (x, y), = blobs(1, 12, seed=5)
+    F.cross_entropy(reference(x), y).backward()
+    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
+        with dist_autograd.context() as ctx:
+            logits = pipe(x).local_value()
+            with pytest.raises(RuntimeError, match=r"must be a scalar .* got shape \(12,\)"):
+                pipe.backward(ctx, F.cross_entropy(logits, y, reduction="none"))
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                pipe.backward(ctx, F.cross_entropy(logits, y).detach())
+            with pytest.raises(TypeError, match="got a float"):
+                pipe.backward(ctx, [1.0])
+            pipe.backward(ctx, F.cross_entropy(logits, y))
+            grads = stage_gradients(pipe, ctx)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
 class ArgMax(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=1)
