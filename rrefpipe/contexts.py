@@ -27,10 +27,12 @@ _KEPT = 64  # contexts: one is never told it ended, so older ones are dropped
 
 @dataclass
 class Forwards:
-    """One pipe's forwards in one context: their steps (a stage's recorded failure is looked up by step),
-    the autograd nodes of each output that came to the driver, and how many outputs stayed on the last
-    worker (``remote_output``)."""
+    """One pipe's forwards in one context: the pipe's stage workers and the steps (a failure in a
+    backward over several pipes' losses is looked up by worker, then by step), the autograd nodes of
+    each output that came to the driver, and how many outputs stayed on the last worker
+    (``remote_output``)."""
 
+    workers: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     outputs: list[list[Any]] = field(default_factory=list)
     remote: int = 0
@@ -56,10 +58,10 @@ def _entry(context_id: int) -> _Context:
     return entry
 
 
-def forwards(context_id: int, pipe_id: str) -> Forwards:
+def forwards(context_id: int, pipe_id: str, workers: list[str]) -> Forwards:
     """The record of pipe ``pipe_id``'s forwards in context ``context_id``, for a forward to add to."""
     with _lock:
-        return _entry(context_id).forwards.setdefault(pipe_id, Forwards())
+        return _entry(context_id).forwards.setdefault(pipe_id, Forwards(workers=list(workers)))
 
 
 def forward_failed(context_id: int, pipe_id: str) -> None:
@@ -74,9 +76,10 @@ def keep_unreached(context_id: int, phony: Tensor) -> None:
         _entry(context_id).unreached.append(phony)
 
 
-def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple[Forwards, list[Tensor]]:
-    """Check that ``losses`` can end the context's backward; returns pipe ``pipe_id``'s forwards there and
-    the zero losses that reach the sends of outputs no loss can use.
+def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple[dict[str, Forwards], list[Tensor]]:
+    """Check that ``losses`` can end the context's backward; returns the forwards of every pipe there (by
+    pipe id, to name a stage that fails in the backward) and the zero losses that reach the sends of
+    outputs no loss can use.
 
     Raises:
         RuntimeError: a forward failed in the context, a backward ran there already, or the losses
@@ -98,10 +101,9 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
         _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses, sends)
         entry.backward_by = pipe_id
         unreached, entry.unreached = entry.unreached, []
-        mine = entry.forwards.get(pipe_id) or Forwards()
-        entry.forwards.clear()  # the nodes: the graph is spent
+        by_pipe, entry.forwards = entry.forwards, {}  # the nodes: the graph is spent
     with torch.enable_grad():  # a zero-size phony's sum: a scalar 0 whose gradient reaches its forward's sends
-        return mine, [phony.sum() for phony in unreached]
+        return by_pipe, [phony.sum() for phony in unreached]
 
 
 def _whose(pipe_id: str, caller: str) -> str:

@@ -273,7 +273,7 @@ class RemoteDriver:
             finally:
                 del _collectors[(self.pipe_id, step)]
         context_id = _rpc.current_context_id() if grad_enabled else None
-        forwards = None if context_id is None else contexts.forwards(context_id, self.pipe_id)
+        forwards = None if context_id is None else contexts.forwards(context_id, self.pipe_id, self.workers)
         if forwards is not None:
             forwards.steps.append(step)
         if collector.phony is not None and context_id is not None:  # an output no loss can use
@@ -305,20 +305,23 @@ class RemoteDriver:
         """``dist_autograd.backward`` whose failures name the stage and worker."""
         self._check_open()
         _check_losses(losses)
-        forwards, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
+        by_pipe, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
         try:
             dist_autograd.backward(context_id, losses + unreached)
         except RuntimeError as exc:
-            raise self._explain(exc, "backward", forwards) from exc
+            raise self._explain(exc, "backward", by_pipe) from exc
 
-    def _explain(self, exc: BaseException, phase: str, forwards: contexts.Forwards | None = None) -> BaseException:
+    def _explain(self, exc: BaseException, phase: str,
+                 by_pipe: dict[str, contexts.Forwards] | None = None) -> BaseException:
         """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
         StageError naming the stage.
 
         A transport error names the node that *saw* a peer vanish (the stage sending a gradient to a
         dead worker), so the stage workers are probed first and a dead one is named instead.
-        ``forwards``: this pipe's forwards in the failed backward's context."""
-        forwards = forwards or contexts.Forwards()
+        ``by_pipe``: the forwards of every pipe in the failed backward's context, whose losses may all be
+        in this backward: a node is looked up among this pipe's stages first, then theirs."""
+        by_pipe = by_pipe or {}
+        mine = by_pipe.get(self.pipe_id) or contexts.Forwards()
         text = str(exc)
         matches = list(_NODE.finditer(text))
         names = _rpc.worker_names()
@@ -331,30 +334,38 @@ class RemoteDriver:
                 hung = self._longest_backward(message)
                 if hung is not None:
                     return hung
-                if forwards.remote:
+                if mine.remote:
                     return RuntimeError(
-                        f"{text}\n(no stage is hung or unreachable, and {len(forwards.steps)} forward(s) of this pipe "
+                        f"{text}\n(no stage is hung or unreachable, and {len(mine.steps)} forward(s) of this pipe "
                         f"ran in this context with their outputs left on the last worker (remote_output=True): "
                         "distributed autograd waits until the RPC timeout for the gradient of every forward in "
                         "the context, so each one's fetched output must be part of the loss. Run forwards you "
                         "do not backpropagate under torch.no_grad() or outside the context)")
+        pipes = [(self.pipe_id, self.workers, mine.steps)] + [
+            (pipe_id, record.workers, record.steps) for pipe_id, record in by_pipe.items() if pipe_id != self.pipe_id]
         for match in reversed(matches):
             node = int(match.group(1))
-            if node < len(names) and names[node] in self.workers:
-                j = self.workers.index(names[node])
+            worker = names[node] if node < len(names) else ""
+            stages = [(pipe_id, workers.index(worker), steps) for pipe_id, workers, steps in pipes if worker in workers]
+            if not stages:
+                continue
+            for pipe_id, j, steps in stages:
                 try:
-                    recorded = rpc.rpc_sync(names[node], control.backward_failure,
-                                            args=(self.pipe_id, j, forwards.steps), timeout=5)
+                    recorded = rpc.rpc_sync(worker, control.backward_failure, args=(pipe_id, j, steps), timeout=5)
                 except Exception:
                     recorded = None
                 if recorded is not None:
                     return recorded.to_exception()
-                where = _STAGE_MESSAGE.match(message)
-                if where:
-                    return Failure(j, names[node], int(where["i"]) if where["i"] else None, where["phase"],
-                                   where["type"], where["message"], text).to_exception()
-                return Failure(j, names[node], None, phase, "Error", message, text,
-                               transport=is_transport_error(message)).to_exception()
+            j = stages[0][1]
+            where = _STAGE_MESSAGE.match(message)
+            if where:
+                return Failure(j, worker, int(where["i"]) if where["i"] else None, where["phase"],
+                               where["type"], where["message"], text).to_exception()
+            if len(stages) > 1:  # a layer's own error in backward is not recorded: its text names no stage
+                held = ", ".join(f"stage {j} of pipe {pipe_id}" for pipe_id, j, _ in stages)
+                message += f" (worker {worker!r} holds {held} in this backward; which one raised is not known)"
+            return Failure(j, worker, None, phase, "Error", message, text,
+                           transport=is_transport_error(message)).to_exception()
         return exc
 
     def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:
