@@ -24,11 +24,37 @@ def record_surfacing(test: str, what: str, seconds: float) -> None:
     _surfacing.append((test, what, seconds))
 
 
+_cluster_pids: dict[str, int] = {}  # the session group's live workers, by name
+_cluster_lost: list[tuple[str, str, list[str]]] = []  # (test, worker, its captured stderr lines on workers)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _surfacing:
         terminalreporter.section("fault surfacing times")
         for test, what, seconds in _surfacing:
             terminalreporter.write_line(f"{test:<48} {what:<34} {seconds * 1000:8.1f} ms")
+    if _cluster_lost:
+        terminalreporter.section("session workers lost")
+        for test, worker, lines in _cluster_lost:
+            terminalreporter.write_line(f"{worker} was gone after {test}; its test's stderr on workers:")
+            for line in lines or ["(nothing)"]:
+                terminalreporter.write_line(f"    {line}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Name the test after which a worker of the session group was gone: a later test that uses it
+    fails with "EOF", and the worker's own last words went to this test's captured stderr, which pytest
+    shows only for failures. Reported at the end of the run; the outcome is left as it is."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "teardown":
+        return
+    for name, pid in list(_cluster_pids.items()):
+        if not pid_alive(pid):
+            del _cluster_pids[name]
+            lines = [line for line in report.capstderr.splitlines() if "worker" in line.lower()]
+            _cluster_lost.append((item.nodeid, name, lines[-20:]))
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +64,11 @@ def cluster() -> Iterator[object]:
 
     workers = LocalWorkers(4, threads=1).start()
     pids = workers.pids
+    _cluster_pids.update(zip(workers.names, pids))
     try:
         yield workers
     finally:
+        _cluster_pids.clear()  # they are stopped now, not lost
         workers.close()
     assert not [pid for pid in pids if pid_alive(pid)], "stage workers outlived the session"
 
