@@ -183,6 +183,44 @@ def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, check
     assert v["next_step"] == "ok"
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own workers", "shared workers"])
+def test_a_stage_failing_in_another_pipes_backward_is_named(shared):
+    """Two pipes' losses in one backward, run by pipe A, where pipe B's stage 1 raises: the error named
+    no stage (torch's "Error on Node ..." text). A layer's own error in backward names no stage, so on a
+    worker that also holds A's stage 0 the error names that one and says that either may have raised
+    (it named A's stage 0 alone). Both pipes go on. In a script of its own, as every failing backward
+    here: the session's shared workers stay out of it."""
+    v = _run("stage raising in another pipe's backward", f"""
+        from workers import LocalWorkers
+        from tests.distributed.probes import check_transparent
+        with LocalWorkers(4) as workers:
+            a_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            b_model = nn.Sequential(nn.Linear(4, 4), layers.RaiseInBackward("B's gradient is wrong"), nn.Linear(4, 2))
+            b_workers = ["worker2", "worker1"] if {shared} else ["worker3", "worker4"]
+            a = Pipe(a_model, chunks=2, balance=[1, 1], workers=["worker1", "worker2"])
+            b = Pipe(b_model, chunks=2, balance=[1, 2], workers=b_workers)
+            x = torch.randn(4, 4)
+            t = time.monotonic()
+            try:
+                with dist_autograd.context() as ctx:
+                    a.backward(ctx, a(x).local_value().sum() + b(x).local_value().sum())
+            except StageError as exc:
+                held = (f"holds stage 0 of pipe {{a._driver.pipe_id}}, stage 1 of pipe {{b._driver.pipe_id}} in this "
+                        "backward; which one raised is not known")
+                report(stage=exc.stage, worker=exc.worker, phase=exc.phase, cause="B's gradient is wrong" in str(exc),
+                       both=held in str(exc), surfaced=time.monotonic() - t)
+            check_transparent(a, a_model, torch.randn(4, 4, requires_grad=True))
+            with torch.no_grad():
+                torch.testing.assert_close(b(x).local_value(), b_model(x))
+            report(next_steps="ok")
+            a.close()
+            b.close()
+    """)
+    expected = ("0", "worker1", "True") if shared else ("1", "worker4", "False")
+    assert (v["stage"], v["worker"], v["both"]) == expected
+    assert (v["phase"], v["cause"], v["next_steps"]) == ("backward", "True", "ok")
+
+
 def test_a_remote_output_left_out_of_the_loss_is_named_when_backward_times_out():
     """With ``remote_output=True`` the driver cannot see which fetched outputs reach the loss, so a
     forward left out of it makes backward wait for the RPC timeout; the error then says so."""
