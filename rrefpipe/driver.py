@@ -362,7 +362,7 @@ class RemoteDriver:
                 return Failure(j, worker, int(where["i"]) if where["i"] else None, where["phase"],
                                where["type"], where["message"], text).to_exception()
             if len(stages) > 1:  # a layer's own error in backward is not recorded: its text names no stage
-                held = ", ".join(f"stage {j} of pipe {pipe_id}" for pipe_id, j, _ in stages)
+                held = ", ".join(f"stage {index} of pipe {pipe_id}" for pipe_id, index, _ in stages)
                 message += f" (worker {worker!r} holds {held} in this backward; which one raised is not known)"
             return Failure(j, worker, None, phase, "Error", message, text,
                            transport=is_transport_error(message)).to_exception()
