@@ -3,20 +3,25 @@
 Distributed autograd records an RPC only when its message carries a tensor that requires grad, and
 the driver's engine waits for a gradient to reach *every* recorded send. A stage with no parameters,
 or a first stage whose input needs no gradient, would break one of those. So every hop carries a
-*phony*: a zero-size tensor that requires grad, forked from the sender's output and joined into the
-receiver's output::
+*phony*: a tensor that requires grad, forked from the sender's output and joined, past the receiver's
+:func:`receive` node, into the receiver's output::
 
-    stage j                         stage j+1
-    out ─ Fork ─┬─ out ───── RPC ──── inp ─ partition ─ Join ─ out' ─ Fork ─ ...
-                └─ phony ─── RPC ──── phony ───────────────┘
+    stage j                          stage j+1
+    out ─ Hop ─┬─ out ───── RPC ──── inp ─ Receive ─ inp' ─ layers ─ Hop ─ ...
+               └─ phony ─── RPC ──── phony ──┘    └── phony' ────────┘
 
-In backward the phony's gradient is an empty tensor, so the hop costs nothing, but every ``recv``
-is reachable from the loss and every ``send`` gets its gradient.
+So every ``recv`` is reachable from the loss and every ``send`` gets its gradient. The phony has one
+element per tensor of the output, and in backward :func:`receive` answers it with which of them got a
+gradient: distributed autograd's receive node sends zeros for the others, where one process would
+give none (a parameter with no gradient is one that optimizers skip, weight decay included), and the
+sender's :func:`hop` turns those back into none.
 
 On a stage the join, the fork and the marker that times the start of backward are one autograd node
-(:func:`hop`): each Python node costs a GIL acquisition in backward, on the autograd engine's threads
-that otherwise run only C++ and compete with the RPC threads for the GIL. The end of backward is a
-hook on the input's gradient or, where no input needs one, a :func:`fence` joined into the hop.
+(:func:`hop`), and the end of backward is timed by :func:`receive`'s node: each Python node costs a GIL
+acquisition in backward, on the autograd engine's threads that otherwise run only C++ and compete
+with the RPC threads for the GIL. On the first stage, whose input comes from the driver, the end of
+backward is a hook on the input's gradient or, where no input needs one, a :func:`fence` joined into
+the hop.
 """
 from __future__ import annotations
 
@@ -73,23 +78,64 @@ class _Marker(torch.autograd.Function):
 
 
 class _Hop(torch.autograd.Function):
-    """Join ``phonies`` into ``tensor``, fork a phony off it, and call ``callback`` when its gradient
-    arrives: what :func:`join`, :func:`fork` and :func:`mark` do on a stage's output, in one node."""
+    """Join ``phonies`` into a stage's output, fork a phony off it, and call ``callback`` (if any) when
+    the output's gradients arrive: what :func:`join`, :func:`fork` and :func:`mark` do, in one node.
+
+    ``masked``: the phony has one element per tensor, and its gradient (from :class:`_Received`) says
+    which tensors the receiver used; the others get no gradient here (``None``), as in one process.
+    Distributed autograd sends zeros for them otherwise."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], as_is: bool, tensor: Tensor, *phonies: Tensor
-                ) -> tuple[Tensor, Tensor]:
-        ctx.callback = callback
-        ctx.phony_devices = [p.device for p in phonies]
-        out = tensor.detach()
-        if as_is and not tensor.requires_grad:  # else autograd marks it differentiable, for the phonies
-            ctx.mark_non_differentiable(out)
-        return out, torch.empty(0)
+    def forward(ctx: Any, callback: Callable[[], None] | None, differentiable: tuple[bool, ...], masked: bool,
+                *args: Tensor) -> tuple[Tensor, ...]:
+        count = len(differentiable)
+        ctx.set_materialize_grads(False)
+        ctx.callback, ctx.masked = callback, masked
+        ctx.phony_devices = [p.device for p in args[count:]]
+        outputs = tuple(t.detach() for t in args[:count])
+        constant = [o for o, d in zip(outputs, differentiable) if not d]
+        if constant:
+            ctx.mark_non_differentiable(*constant)
+        return (*outputs, torch.zeros(count if masked else 0))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, None, grad, *(torch.empty(0, device=d) for d in ctx.phony_devices))
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        if ctx.callback is not None:
+            ctx.callback()
+        tensor_grads, used = list(grads[:-1]), grads[-1]
+        if ctx.masked and used is not None and used.numel() == len(tensor_grads):
+            tensor_grads = [g if flag else None for g, flag in zip(tensor_grads, used.tolist())]
+        return (None, None, None, *tensor_grads, *(torch.empty(0, device=d) for d in ctx.phony_devices))
+
+
+class _Received(torch.autograd.Function):
+    """A received message's tensors as they came, and a phony on ``device`` to join into what the stage
+    makes of them; in backward, calls ``callback`` once all their gradients are in, and answers the
+    sender's phony with which tensors got one (see :class:`_Hop`)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None] | None, device: torch.device, phony: Tensor,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.callback, ctx.phony_size, ctx.phony_device = callback, phony.numel(), phony.device
+        outputs = tuple(t.detach() for t in tensors)
+        constant = [o for o, t in zip(outputs, tensors) if not t.requires_grad]
+        if constant:
+            ctx.mark_non_differentiable(*constant)
+        return (*outputs, torch.empty(0, device=device))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        if ctx.callback is not None:
+            ctx.callback()
+        tensor_grads = grads[:-1]
+        if ctx.phony_size != len(tensor_grads):  # (an unmasked hop's phony)
+            used = torch.empty(ctx.phony_size, device=ctx.phony_device)
+        elif all(g is not None for g in tensor_grads):  # (the usual case, ~2 us cheaper than the next)
+            used = torch.ones(ctx.phony_size, device=ctx.phony_device)
+        else:
+            used = torch.tensor([float(g is not None) for g in tensor_grads], device=ctx.phony_device)
+        return (None, None, used, *tensor_grads)
 
 
 class _Fence(torch.autograd.Function):
@@ -126,22 +172,34 @@ def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
     return _replace_first(value, _Join.apply(_first(value), phony))
 
 
-def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None], *, as_is: bool = True
-        ) -> tuple[TensorOrTensors, Tensor]:
-    """``value`` (its first tensor joined with ``phonies``), and a phony forked off it for the next
-    hop; ``callback`` runs when the gradient of that tensor arrives (the other tensors of the output
-    travel in the same RPC message, so their gradients arrive with it).
+def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[], None] | None, *,
+        as_is: bool = True, masked: bool = False) -> tuple[TensorOrTensors, Tensor]:
+    """``value`` joined with ``phonies``, and a phony forked off it for the next hop; ``callback`` runs
+    when the gradients of ``value`` arrive (its tensors travel in one RPC message, so they arrive
+    together). ``masked``: the receiver runs :func:`receive` on it, and tensors it left unused get
+    no gradient here instead of distributed autograd's zeros.
 
-    ``as_is``: a first tensor that needs no gradient stays so, as in the plain module; the phony that
-    goes with it to the next stage, joined there, keeps this hop in backward. An output leaving the
-    pipe (``as_is=False``) has the tensor made to require grad instead: a kept output (``remote_output``)
+    ``as_is``: each tensor keeps its ``requires_grad``, as in the plain module; the phony that goes with
+    the output to the next stage, joined there, keeps this hop in backward. An output leaving the
+    pipe (``as_is=False``) has a tensor made to require grad instead: a kept output (``remote_output``)
     loses its phony, and the driver's loss may use no other tensor of the step's output message (a
     frozen teacher's), where backward must still reach every send. There the first tensor that can
     carry a gradient is the one (an integer mask first, say, cannot)."""
     tensors = [value] if isinstance(value, Tensor) else list(value)
     k = 0 if as_is else next((j for j, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()), 0)
-    tensors[k], phony = _Hop.apply(callback, as_is, tensors[k], *phonies)
-    return (tensors[0] if isinstance(value, Tensor) else tuple(tensors)), phony
+    differentiable = tuple(t.requires_grad or (j == k and not as_is) for j, t in enumerate(tensors))
+    *outputs, phony = _Hop.apply(callback, differentiable, masked, *tensors, *phonies)
+    return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), phony
+
+
+def receive(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] | None,
+             device: torch.device) -> tuple[TensorOrTensors, Tensor]:
+    """``value`` as received with ``phony`` (from a masked :func:`hop`), and a phony on ``device`` to join
+    into the output made of it; ``callback`` runs once all gradients for ``value`` are in (or, where
+    none needs one, after the nodes recorded later on this thread, as with :func:`fence`)."""
+    tensors = [value] if isinstance(value, Tensor) else list(value)
+    *outputs, joined = _Received.apply(callback, device, phony, *tensors)
+    return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), joined
 
 
 def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:

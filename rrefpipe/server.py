@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from . import checkpoint, microbatch
+from .dependency import hop
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -81,6 +82,7 @@ class _Job:
     value: TensorOrTensors | None = None
     arrived: bool = False
     phonies: list[Tensor] = field(default_factory=list)
+    sent_with: Tensor | None = None  # the phony of the previous stage's hop (``Stage.run``)
     skips: dict[SkipKey, Tensor | None] = field(default_factory=dict)
     nones: frozenset[SkipKey] = frozenset()
     future: Future[Status] = field(default_factory=Future)
@@ -143,7 +145,7 @@ class StageServer:
         """Consecutive micro-batches from the previous stage, ``meta.per_message`` (or fewer) per message."""
         tensors = [t for _, value, _, _ in group for t in microbatch.as_tensors(value)]
         jobs = self._arrive(meta, "activation", tensors,
-                            {i: self._activation(value, phony, nones) for i, value, phony, nones in group})
+                            {i: self._activation(value, phony, nones, from_stage=True) for i, value, phony, nones in group})
         if len(jobs) == 1:
             return jobs[0].future
         done: Future[Status] = Future()
@@ -174,11 +176,13 @@ class StageServer:
         self._arrive(meta, "skip", tensor, {i: update})
 
     def _activation(self, value: TensorOrTensors, phony: Tensor | None,
-                    nones: frozenset[SkipKey]) -> Callable[[_Job], None]:
+                    nones: frozenset[SkipKey], from_stage: bool = False) -> Callable[[_Job], None]:
         def update(job: _Job) -> None:
             job.value, job.arrived = value, True
             job.nones = nones
-            if phony is not None:
+            if from_stage:  # its phony is answered in backward (``dependency.receive``)
+                job.sent_with = phony
+            elif phony is not None:
                 job.phonies.append(phony)
             for key in nones & self.stage.routes.incoming:
                 job.skips[key] = None
@@ -252,7 +256,7 @@ class StageServer:
     def _process(self, job: _Job) -> None:
         assert job.meta is not None and job.value is not None
         try:
-            out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips)
+            out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips, job.sent_with)
         except BaseException as exc:  # SystemExit from a layer too: it fails the step, not the worker
             failure = self._fail(job, exc)
             self._push()  # the micro-batches before it go on, as they would have one by one
@@ -329,7 +333,11 @@ class StageServer:
             done.set_result(Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=None,
                                             phase="gather"))
             return done
-        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony))
+        sent_with = None
+        if any(t.requires_grad for t in microbatch.as_tensors(gathered)):  # the driver's backward answers
+            with torch.enable_grad():  # which of these tensors the loss used (``dependency.receive``)
+                gathered, sent_with = hop(gathered, [], None, masked=True)
+        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony, sent_with))
 
     def _outbound(self, value: TensorOrTensors, stage: int | None) -> TensorOrTensors:
         """``value`` as sent to stage ``stage`` (None: the driver), ready to send. TensorPipe sends a CUDA
@@ -514,7 +522,8 @@ def _driver_keep_phony(pipe_id: str, step: int, phony: Tensor) -> None:
     keep_phony(pipe_id, step, phony)
 
 
-def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None) -> None:
+def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None,
+                    sent_with: Tensor | None) -> None:
     from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
 
-    deliver(pipe_id, step, value, phony)  # the phony's receive node joins the step to the driver's graph
+    deliver(pipe_id, step, value, phony, sent_with)  # the phony's receive node joins the step to the driver's graph

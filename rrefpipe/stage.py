@@ -21,7 +21,7 @@ from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
 from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
 from .errors import Failure
-from .dependency import fence, fork, hop, join, mark, new_phony
+from .dependency import fence, fork, hop, join, mark, new_phony, receive
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.namespace import DEFAULT
@@ -117,11 +117,13 @@ class Stage:
         return StageInfo(self.index, self.worker, str(self.device), names, count, stashes, pops)
 
     def run(self, meta: StepMeta, i: int, value: TensorOrTensors, phonies: Sequence[Tensor] = (),
-            received: dict[SkipKey, Tensor | None] | None = None) -> StageOutput:
+            received: dict[SkipKey, Tensor | None] | None = None, sent_with: Tensor | None = None) -> StageOutput:
         """Run micro-batch ``i`` with the skip tensors ``received`` from earlier stages.
 
         Under autograd each phony is joined into the output and new phonies are forked for the next
-        hops, so every hop stays in the backward graph (see ``dependency``)."""
+        hops, so every hop stays in the backward graph (see ``dependency``). ``sent_with``: the phony
+        that came with ``value`` from the previous stage, which backward answers with the tensors of
+        ``value`` that got a gradient."""
         move = self._to_device
         value = microbatch.apply(move, value)
         received = {k: None if t is None else move(t) for k, t in (received or {}).items()}
@@ -136,9 +138,12 @@ class Stage:
             value = microbatch.apply(_overwritable, value)
         with torch.set_grad_enabled(meta.grad_enabled), autocast.entered(meta.autocast):
             backward_end = self._backward_callback(meta.step, i, "end")
-            crosses = bool(phonies)  # the output crosses an RPC hop
+            crosses = bool(phonies) or sent_with is not None  # the output crosses an RPC hop
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
-            if inputs_need_grad:  # backward ends when the inputs' gradients are computed
+            if sent_with is not None and meta.grad_enabled:  # (both ways below, in one node)
+                value, joined = receive(value, sent_with, backward_end, self.device)
+                phonies = [joined, *phonies]
+            elif inputs_need_grad:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
             elif meta.grad_enabled:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
@@ -152,7 +157,7 @@ class Stage:
                 return StageOutput(out, None, outgoing)
             started = self._backward_callback(meta.step, i, "start")
             if crosses:
-                result = StageOutput(*hop(out, phonies, started, as_is=not self.last))
+                result = StageOutput(*hop(out, phonies, started, as_is=not self.last, masked=not self.last))
             else:  # in the driver's process: a fence goes where the output's gradient will flow, if any
                 if phonies and microbatch.as_tensors(out)[0].requires_grad:
                     out = join(out, phonies[0])

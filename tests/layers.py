@@ -519,3 +519,28 @@ class InterruptDriverAndHold(InterruptDriver):
                 time.sleep(0.01)
             (Path(self.folder) / "left").touch()
         return x * 1
+
+
+class TwoHeads(nn.Module):
+    """Tensor -> (head a's output, head b's output): a loss may leave one head out."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, out), nn.Linear(width, out)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(x), self.b(x)
+
+
+class TakeFirst(nn.Module):
+    """(a, b) -> a: what a layer does that leaves part of its input unused."""
+
+    def forward(self, xs: tuple[Tensor, Tensor]) -> Tensor:
+        return xs[0]
+
+
+class Detach(nn.Module):
+    """Cuts the graph: the layers before it get no gradient (a frozen backbone, done by detaching)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.detach()

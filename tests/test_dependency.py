@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from rrefpipe.dependency import fence, fork, hop, join, mark, new_phony
+from rrefpipe.dependency import fence, fork, hop, join, mark, new_phony, receive
 
 
 def test_fork_join_are_identities_that_pass_gradients():
@@ -142,3 +142,41 @@ def test_a_fence_without_parameters_ends_at_once():
     _, phony = hop(nn.ReLU()(torch.randn(2)), [wall], lambda: log.append("start"))
     phony.sum().backward()
     assert log == ["start", "end"]
+
+
+class _Wire(torch.autograd.Function):
+    """Stands in for an RPC message: as distributed autograd's receive node does, it fills the gradient
+    of every tensor that the receiving side left unused with zeros."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def test_a_masked_hop_gives_no_gradient_to_what_its_receiver_left_unused():
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    calls = []
+    (ya, yb), phony = hop((a * 2, b * 3), [], None, masked=True)
+    assert phony.shape == (2,) and phony.requires_grad
+    *crossed, crossed_phony = _Wire.apply(ya, yb, phony)
+    (ra, rb), joined = receive(tuple(crossed), crossed_phony, lambda: calls.append(1), torch.device("cpu"))
+    assert joined.numel() == 0 and joined.requires_grad
+    (ra.sum() * 5 + joined.sum()).backward()
+    assert calls == [1]
+    torch.testing.assert_close(a.grad, torch.full((3,), 10.0))
+    assert b.grad is None  # not the zeros the wire sent back
+
+
+def test_a_received_tensor_that_needs_no_gradient_stays_so_and_backward_still_reaches_the_sender():
+    """An integer tensor beside the activation: the receiver answers the sender's phony through the phony
+    it joins into its output, so the sender's hop runs (and the hops before it)."""
+    x, p, calls = torch.randn(2, requires_grad=True), new_phony(), []
+    value, phony = hop((x * 2, torch.arange(2)), [p], lambda: calls.append("sent"), masked=True)
+    (rx, labels), joined = receive(value, phony, lambda: calls.append("received"), torch.device("cpu"))
+    assert rx.requires_grad and not labels.requires_grad
+    joined.sum().backward()  # the receiver's output used neither tensor
+    assert calls == ["received", "sent"] and x.grad is None and p.grad is not None
