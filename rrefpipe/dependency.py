@@ -4,20 +4,20 @@ Distributed autograd records an RPC only when its message carries a tensor that 
 the driver's engine waits for a gradient to reach *every* recorded send. A stage with no parameters,
 or a first stage whose input needs no gradient, would break one of those. So every hop carries a
 *phony*: a tensor that requires grad, forked from the sender's output and joined, past the receiver's
-:func:`receive` node, into the receiver's output::
+:func:`arrival` node, into the receiver's output::
 
     stage j                          stage j+1
-    out ─ Hop ─┬─ out ───── RPC ──── inp ─ Receive ─ inp' ─ layers ─ Hop ─ ...
+    out ─ Hop ─┬─ out ───── RPC ──── inp ─ Arrival ─ inp' ─ layers ─ Hop ─ ...
                └─ phony ─── RPC ──── phony ──┘    └── phony' ────────┘
 
 So every ``recv`` is reachable from the loss and every ``send`` gets its gradient. The phony has one
-element per tensor of the output, and in backward :func:`receive` answers it with which of them got a
+element per tensor of the output, and in backward :func:`arrival` answers it with which of them got a
 gradient: distributed autograd's receive node sends zeros for the others, where one process would
 give none (a parameter with no gradient is one that optimizers skip, weight decay included), and the
 sender's :func:`hop` turns those back into none.
 
 On a stage the join, the fork and the marker that times the start of backward are one autograd node
-(:func:`hop`), and the end of backward is timed by :func:`receive`'s node: each Python node costs a GIL
+(:func:`hop`), and the end of backward is timed by :func:`arrival`'s node: each Python node costs a GIL
 acquisition in backward, on the autograd engine's threads that otherwise run only C++ and compete
 with the RPC threads for the GIL. On the first stage, whose input comes from the driver, the end of
 backward is a hook on the input's gradient or, where no input needs one, a :func:`fence` joined into
@@ -38,16 +38,6 @@ __all__: list[str] = []
 
 def new_phony(requires_grad: bool = True) -> Tensor:
     return torch.empty(0, requires_grad=requires_grad)
-
-
-class _Fork(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> tuple[Tensor, Tensor]:
-        return tensor.detach(), torch.empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, grad_phony: Tensor) -> Tensor:
-        return grad
 
 
 class _Join(torch.autograd.Function):
@@ -79,7 +69,7 @@ class _Marker(torch.autograd.Function):
 
 class _Hop(torch.autograd.Function):
     """Join ``phonies`` into a stage's output, fork a phony off it, and call ``callback`` (if any) when
-    the output's gradients arrive: what :func:`join`, :func:`fork` and :func:`mark` do, in one node.
+    the output's gradients arrive: a join, a fork and :func:`mark`, in one node.
 
     ``masked``: the phony has one element per tensor, and its gradient (from :class:`_Received`) says
     which tensors the receiver used; the others get no gradient here (``None``), as in one process.
@@ -161,12 +151,6 @@ def _replace_first(value: TensorOrTensors, first: Tensor) -> TensorOrTensors:
     return first if isinstance(value, Tensor) else (first, *value[1:])
 
 
-def fork(value: TensorOrTensors) -> tuple[TensorOrTensors, Tensor]:
-    """Return ``value`` unchanged and a phony that depends on its first tensor."""
-    first, phony = _Fork.apply(_first(value))
-    return _replace_first(value, first), phony
-
-
 def join(value: TensorOrTensors, phony: Tensor) -> TensorOrTensors:
     """Return ``value`` unchanged, but make its first tensor depend on ``phony`` in backward."""
     return _replace_first(value, _Join.apply(_first(value), phony))
@@ -176,7 +160,7 @@ def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[]
         as_is: bool = True, masked: bool = False) -> tuple[TensorOrTensors, Tensor]:
     """``value`` joined with ``phonies``, and a phony forked off it for the next hop; ``callback`` runs
     when the gradients of ``value`` arrive (its tensors travel in one RPC message, so they arrive
-    together). ``masked``: the receiver runs :func:`receive` on it, and tensors it left unused get
+    together). ``masked``: the receiver runs :func:`arrival` on it, and tensors it left unused get
     no gradient here instead of distributed autograd's zeros.
 
     ``as_is``: each tensor keeps its ``requires_grad``, as in the plain module; the phony that goes with
@@ -192,8 +176,8 @@ def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[]
     return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), phony
 
 
-def receive(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] | None,
-             device: torch.device) -> tuple[TensorOrTensors, Tensor]:
+def arrival(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] | None,
+            device: torch.device) -> tuple[TensorOrTensors, Tensor]:
     """``value`` as received with ``phony`` (from a masked :func:`hop`), and a phony on ``device`` to join
     into the output made of it; ``callback`` runs once all gradients for ``value`` are in (or, where
     none needs one, after the nodes recorded later on this thread, as with :func:`fence`)."""

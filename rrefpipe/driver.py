@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from . import _rpc, autocast, contexts, control, microbatch, server
-from .dependency import new_phony, receive
+from .dependency import arrival, new_phony
 from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
@@ -60,12 +60,12 @@ def deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | Non
     still leaves as soon as it is computed. Tiny 2-stage model, m=32: 51-53 -> 31 ms per step. Gathered
     on the last stage, the message carries one tensor per output tensor instead of two per micro-batch
     (value and phony). ``sent_with``: the phony that the loss's backward answers with the output tensors
-    it used (``dependency.receive``), so that those it left out give no gradient, as in one process."""
+    it used (``dependency.arrival``), so that those it left out give no gradient, as in one process."""
     collector = _collector(pipe_id, step)
     if collector is not None:
         if sent_with is not None:
             with torch.enable_grad():
-                value, _ = receive(value, sent_with, None, torch.device("cpu"))
+                value, _ = arrival(value, sent_with, None, torch.device("cpu"))
         collector.output, collector.phony = value, phony
         collector.done.set()
 

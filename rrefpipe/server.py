@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from . import checkpoint, microbatch
-from .dependency import hop
+from .dependency import arrival, hop
 from .errors import Failure
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes
@@ -145,7 +145,8 @@ class StageServer:
         """Consecutive micro-batches from the previous stage, ``meta.per_message`` (or fewer) per message."""
         tensors = [t for _, value, _, _ in group for t in microbatch.as_tensors(value)]
         jobs = self._arrive(meta, "activation", tensors,
-                            {i: self._activation(value, phony, nones, from_stage=True) for i, value, phony, nones in group})
+                            {i: self._activation(value, phony, nones, from_stage=True)
+                             for i, value, phony, nones in group})
         if len(jobs) == 1:
             return jobs[0].future
         done: Future[Status] = Future()
@@ -169,9 +170,13 @@ class StageServer:
 
     def receive_skip(self, meta: StepMeta, i: int, key: SkipKey, tensor: Tensor, phony: Tensor | None) -> None:
         def update(job: _Job) -> None:
-            job.skips[key] = tensor
-            if phony is not None:
-                job.phonies.append(phony)
+            if phony is None:
+                job.skips[key] = tensor
+            else:  # backward answers the phony with whether the popping layer used the tensor
+                with torch.enable_grad():
+                    arrived, joined = arrival(tensor, phony, None, self.stage.device)
+                job.skips[key] = arrived  # type: ignore[assignment]  # (one tensor in, one out)
+                job.phonies.append(joined)
 
         self._arrive(meta, "skip", tensor, {i: update})
 
@@ -180,7 +185,7 @@ class StageServer:
         def update(job: _Job) -> None:
             job.value, job.arrived = value, True
             job.nones = nones
-            if from_stage:  # its phony is answered in backward (``dependency.receive``)
+            if from_stage:  # its phony is answered in backward (``dependency.arrival``)
                 job.sent_with = phony
             elif phony is not None:
                 job.phonies.append(phony)
@@ -335,7 +340,7 @@ class StageServer:
             return done
         sent_with = None
         if any(t.requires_grad for t in microbatch.as_tensors(gathered)):  # the driver's backward answers
-            with torch.enable_grad():  # which of these tensors the loss used (``dependency.receive``)
+            with torch.enable_grad():  # which of these tensors the loss used (``dependency.arrival``)
                 gathered, sent_with = hop(gathered, [], None, masked=True)
         return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony, sent_with))
 

@@ -21,7 +21,7 @@ from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
 from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
 from .errors import Failure
-from .dependency import fence, fork, hop, join, mark, new_phony, receive
+from .dependency import arrival, fence, hop, join, mark, new_phony
 from .microbatch import TensorOrTensors
 from .skip.layout import SkipRoutes, StageRouter
 from .skip.namespace import DEFAULT
@@ -141,7 +141,7 @@ class Stage:
             crosses = bool(phonies) or sent_with is not None  # the output crosses an RPC hop
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
             if sent_with is not None and meta.grad_enabled:  # (both ways below, in one node)
-                value, joined = receive(value, sent_with, backward_end, self.device)
+                value, joined = arrival(value, sent_with, backward_end, self.device)
                 phonies = [joined, *phonies]
             elif inputs_need_grad:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
@@ -165,8 +165,8 @@ class Stage:
             for key, tensor in outgoing.items():
                 if tensor is not None and crosses:  # a skip message must be recorded, like any hop
                     if tensor.requires_grad:
-                        forked, result.skip_phonies[key] = fork(tensor)
-                        tensor = forked  # type: ignore[assignment]
+                        sent, result.skip_phonies[key] = hop(tensor, [], None, masked=True)
+                        tensor = sent  # type: ignore[assignment]  # (one tensor in, one out)
                     else:
                         result.skip_phonies[key] = new_phony()
                 result.skips[key] = tensor

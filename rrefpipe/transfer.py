@@ -35,25 +35,32 @@ def _pinned_to(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
+# Both pass "no gradient" (None) on as such: autograd would otherwise hand their backward zeros, and a
+# tensor the loss left out would give the layers before it zero gradients (``dependency``'s masks).
+
+
 class _HostToDevice(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, device: torch.device) -> Tensor:
+        ctx.set_materialize_grads(False)
         return _pinned_to(t, device)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad.cpu(), None  # only when a stage's host input needs a gradient: rare, kept simple
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, None]:
+        # only when a stage's host input needs a gradient: rare, kept simple
+        return (None if grad is None else grad.cpu()), None
 
 
 class _DeviceToHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)
         ctx.device = t.device
         return t.to("cpu", non_blocking=True)  # into pinned memory: the host goes on at once
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return _pinned_to(grad, ctx.device)
+    def backward(ctx: Any, grad: Tensor | None) -> Tensor | None:
+        return None if grad is None else _pinned_to(grad, ctx.device)
 
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:

@@ -231,6 +231,28 @@ class PopAddInPlace(nn.Module):
 
 
 @skippable(stash=["skip"])
+class StashLinear(nn.Module):
+    """Stashes a linear map of its input (its parameters reach the loss only through the skip)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash("skip", self.fc(x))
+        return x
+
+
+@skippable(pop=["skip"])
+class PopIgnore(nn.Module):
+    """Pops the skip and leaves it unused."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield pop("skip")
+        return x
+
+
+@skippable(stash=["skip"])
 class StashNone(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         yield stash("skip", None)
@@ -544,3 +566,21 @@ class Detach(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x.detach()
+
+
+#: Models part of which the loss does not reach (see :func:`partly_unreached`).
+UNREACHED_CASES = ("detached", "output left out", "input left out", "skip left out")
+
+
+def partly_unreached(case: str) -> tuple[nn.Sequential, list[int]]:
+    """A model part of which a cross-entropy loss on its (first) output does not reach, and a balance
+    for 2 stages that puts that part on a stage before the one that leaves it out, or on the last."""
+    manual_seed(11)
+    if case == "detached":  # stage 1 detaches its input: stage 0 trains nothing
+        return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), Detach(), nn.Linear(16, 4)), [2, 2]
+    if case == "output left out":  # the loss uses the last stage's first output only
+        return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), TwoHeads(16, 4)), [2, 1]
+    if case == "input left out":  # stage 1 uses stage 0's first output only
+        return nn.Sequential(TwoHeads(10, 16), TakeFirst(), nn.ReLU(), nn.Linear(16, 4)), [1, 3]
+    assert case == "skip left out", case  # stage 1 pops stage 0's skip and leaves it unused
+    return nn.Sequential(nn.Linear(10, 16), StashLinear(16), PopIgnore(), nn.Linear(16, 4)), [2, 2]

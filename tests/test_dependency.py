@@ -1,15 +1,14 @@
 import torch
 from torch import nn
 
-from rrefpipe.dependency import fence, fork, hop, join, mark, new_phony, receive
+from rrefpipe import transfer
+from rrefpipe.dependency import arrival, fence, hop, join, mark, new_phony
 
 
-def test_fork_join_are_identities_that_pass_gradients():
+def test_join_is_an_identity_that_passes_gradients():
     x = torch.randn(3, requires_grad=True)
-    y, phony = fork(x * 2)
-    assert phony.numel() == 0 and phony.requires_grad
     p = new_phony()
-    z = join(y, p)
+    z = join(x * 2, p)
     z.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
     assert p.grad is not None and p.grad.numel() == 0  # the phony's producer is reached in backward
@@ -163,7 +162,7 @@ def test_a_masked_hop_gives_no_gradient_to_what_its_receiver_left_unused():
     (ya, yb), phony = hop((a * 2, b * 3), [], None, masked=True)
     assert phony.shape == (2,) and phony.requires_grad
     *crossed, crossed_phony = _Wire.apply(ya, yb, phony)
-    (ra, rb), joined = receive(tuple(crossed), crossed_phony, lambda: calls.append(1), torch.device("cpu"))
+    (ra, rb), joined = arrival(tuple(crossed), crossed_phony, lambda: calls.append(1), torch.device("cpu"))
     assert joined.numel() == 0 and joined.requires_grad
     (ra.sum() * 5 + joined.sum()).backward()
     assert calls == [1]
@@ -176,7 +175,22 @@ def test_a_received_tensor_that_needs_no_gradient_stays_so_and_backward_still_re
     it joins into its output, so the sender's hop runs (and the hops before it)."""
     x, p, calls = torch.randn(2, requires_grad=True), new_phony(), []
     value, phony = hop((x * 2, torch.arange(2)), [p], lambda: calls.append("sent"), masked=True)
-    (rx, labels), joined = receive(value, phony, lambda: calls.append("received"), torch.device("cpu"))
+    (rx, labels), joined = arrival(value, phony, lambda: calls.append("received"), torch.device("cpu"))
     assert rx.requires_grad and not labels.requires_grad
     joined.sum().backward()  # the receiver's output used neither tensor
     assert calls == ["received", "sent"] and x.grad is None and p.grad is not None
+
+
+def test_a_gpu_stages_copy_to_the_host_passes_no_gradient_on_as_none(monkeypatch):
+    """A GPU last stage copies its output to the host before the masked hop to the driver: that copy's
+    node got zeros for an output the loss left out (autograd's default for a Python node), and the head
+    that made it got zero gradients. (No CUDA here: the copy back is the identity.)"""
+    monkeypatch.setattr(transfer, "_pinned_to", lambda t, device: t)
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    host = tuple(transfer._DeviceToHost.apply(t * 2) for t in (a, b))
+    value, phony = hop(host, [], None, masked=True)
+    *crossed, crossed_phony = _Wire.apply(*value, phony)
+    (ra, _), _ = arrival(tuple(crossed), crossed_phony, None, torch.device("cpu"))
+    ra.sum().backward()
+    torch.testing.assert_close(a.grad, torch.full((3,), 2.0))
+    assert b.grad is None

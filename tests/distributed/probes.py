@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -35,28 +37,36 @@ def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_transparent(pipe, model, x, device: str = "cpu", **tolerance) -> None:
+def _weighted_sum(out: torch.Tensor) -> torch.Tensor:
+    return (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum()
+
+
+def check_transparent(pipe, model, x, device: str = "cpu", loss_of: Callable[[Any], torch.Tensor] = _weighted_sum,
+                      **tolerance) -> None:
     """Output, input gradient and every parameter gradient equal those of ``model`` run whole on
     ``device`` (``tolerance``: ``assert_close``'s, where kernels differ), and each stage's parameters
-    live on the stage's device."""
+    live on the stage's device. A parameter that ``loss_of`` the output does not reach has no gradient
+    in either."""
     reference = copy.deepcopy(model).to(device)
-    x_ref = x.detach().to(device).requires_grad_()
+    x_ref = x.detach().to(device).requires_grad_(x.requires_grad)
     out_ref = reference(x_ref)
-    weights = torch.linspace(-1, 1, out_ref.numel()).view_as(out_ref)
-    (out_ref * weights.to(device)).sum().backward()
+    loss_of(out_ref).backward()
     with dist_autograd.context() as ctx:
         out = pipe(x).local_value()
-        assert out.device.type == "cpu", out.device  # the last stage sends its output to the CPU driver
-        dist_autograd.backward(ctx, [(out * weights).sum()])
-        x_grad = dist_autograd.get_gradients(ctx)[x]
+        for t in out if isinstance(out, tuple) else (out,):  # the last stage sends its output to the CPU driver
+            assert t.device.type == "cpu", t.device
+        dist_autograd.backward(ctx, [loss_of(out)])
+        x_grad = dist_autograd.get_gradients(ctx).get(x)
         grads = stage_gradients(pipe, ctx)
     for j, worker in enumerate(pipe._driver.workers):
         devices = rpc.rpc_sync(worker, _parameter_devices, args=(pipe._driver.pipe_id, j))
         assert devices in ([pipe.stages[j].device], []), (j, devices, pipe.stages[j])
-    torch.testing.assert_close(out, out_ref.cpu(), **tolerance)
-    torch.testing.assert_close(x_grad, x_ref.grad.cpu(), **tolerance)
-    expected = {name: p.grad.cpu() for name, p in reference.named_parameters()}
-    assert grads.keys() == expected.keys()
+    torch.testing.assert_close(out, out_ref.cpu() if isinstance(out_ref, torch.Tensor) else
+                               tuple(t.cpu() for t in out_ref), **tolerance)
+    if x.requires_grad:
+        torch.testing.assert_close(x_grad, x_ref.grad.cpu(), **tolerance)
+    expected = {name: p.grad.cpu() for name, p in reference.named_parameters() if p.grad is not None}
+    assert expected and grads.keys() == expected.keys()
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, **tolerance, msg=lambda m: f"{name}: {m}")
 

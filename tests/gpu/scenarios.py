@@ -16,7 +16,7 @@ import rrefpipe.optim
 from rrefpipe import GradScaler, Pipe, memory
 from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
 from tests.distributed import probes
-from tests.layers import mlp, skip_model
+from tests.layers import UNREACHED_CASES, mlp, partly_unreached, skip_model
 from tests.training import (batches_with_overflows, blobs, model_that_overflows, pipe_steps, plain_steps,
                             train_side_by_side)
 
@@ -331,6 +331,21 @@ def remote_output_and_state_round_trip() -> None:
             torch.testing.assert_close(out, model(x), **TOLERANCE)
             pipe.load_state_dict(other.state_dict())
             torch.testing.assert_close(pipe(x).to_here(), other(x), **TOLERANCE)
+
+
+def unreached_parameters() -> None:
+    """Parameters the loss does not reach get no gradient on GPU stages either: a GPU last stage's copy
+    of its output to the host passes "no gradient" back as such, not as zeros."""
+    x, y = torch.randn(12, 10), torch.randint(0, 4, (12,))
+
+    def loss_of(out: Tensor | tuple[Tensor, ...]) -> Tensor:
+        first = out[0] if isinstance(out, tuple) else out
+        return nn.functional.cross_entropy(first, y.to(first.device))
+
+    for case in UNREACHED_CASES:
+        model, balance = partly_unreached(case)
+        with Pipe(model, chunks=3, balance=balance, devices=[GPU, GPU]) as pipe:
+            probes.check_transparent(pipe, model, x, device=GPU, loss_of=loss_of, **TOLERANCE)
 
 
 def gpu_input_is_refused() -> None:

@@ -84,6 +84,10 @@ def test_remote_output_and_state_dict_round_trip():
     scenario("remote_output_and_state_round_trip()")
 
 
+def test_parameters_the_loss_does_not_reach_get_no_gradient_on_gpu_stages():
+    scenario("unreached_parameters()")
+
+
 def test_gpu_input_is_refused_with_a_clear_error():
     scenario("gpu_input_is_refused()")
 
