@@ -40,14 +40,20 @@ def new_phony(requires_grad: bool = True) -> Tensor:
     return torch.empty(0, requires_grad=requires_grad)
 
 
+# The nodes that carry a stage's tensors pass "no gradient" (None) on as such
+# (``set_materialize_grads(False)``): autograd hands a Python node zeros for an output nothing used,
+# and the layers before it would get zero gradients where one process gives none.
+
+
 class _Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, phony: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)
         ctx.phony_device = phony.device
         return tensor.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, Tensor]:
         return grad, torch.empty(0, device=ctx.phony_device)
 
 
@@ -56,13 +62,14 @@ class _Marker(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
         ctx.callback = callback
         outputs = tuple(t.detach() for t in tensors)
         ctx.mark_non_differentiable(*(o for o, t in zip(outputs, tensors) if not t.requires_grad))
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
 

@@ -43,6 +43,15 @@ def test_mark_on_one_intermediate_tensor_calls_back_without_a_new_node():
     torch.testing.assert_close(x.grad, torch.full((2,), 6.0))
 
 
+def test_mark_passes_no_gradient_on_for_a_tensor_nothing_used():
+    """As plain autograd does: the marker node (several tensors; in-process stages mark their outputs)
+    had handed the layers before an unused tensor zeros, and their parameters got zero gradients."""
+    a, b, calls = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True), []
+    x, _ = mark((a * 2, b * 2), lambda: calls.append(1))
+    x.sum().backward()
+    assert calls == [1] and a.grad is not None and b.grad is None
+
+
 def test_mark_leaves_no_hook_on_a_leaf():
     calls = []
     x = torch.randn(2, requires_grad=True)

@@ -285,6 +285,35 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
     """)
 
 
+def test_world_size_one_gives_no_gradient_to_parameters_the_loss_does_not_reach():
+    """As with stage workers (tests/distributed/test_training.py): the in-process stages' marker and join
+    nodes had handed the layers before an unused tensor zeros."""
+    run_script("""
+        import torch, torch.distributed.rpc as rpc, torch.nn.functional as F
+        from rrefpipe import Pipe
+        from tests.layers import UNREACHED_CASES, partly_unreached, twin
+        from workers import free_port
+        rpc.init_rpc("solo", rank=0, world_size=1,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
+        x, y = torch.randn(12, 10), torch.randint(0, 4, (12,))
+        first = lambda out: out[0] if isinstance(out, tuple) else out
+        for case in UNREACHED_CASES:
+            for checkpoint in ("always", "never"):
+                model, balance = partly_unreached(case)
+                ref = twin(model)
+                F.cross_entropy(first(ref(x)), y).backward()
+                pipe = Pipe(model, chunks=3, balance=balance, checkpoint=checkpoint)
+                F.cross_entropy(first(pipe(x).local_value()), y).backward()
+                pairs = list(zip(pipe.parameters(), ref.parameters()))
+                assert any(q.grad is None for _, q in pairs) and any(q.grad is not None for _, q in pairs)
+                for p, q in pairs:
+                    assert (p.grad is None) == (q.grad is None), (case, checkpoint)
+                    if q.grad is not None:
+                        torch.testing.assert_close(p.grad, q.grad)
+        rpc.shutdown()
+    """)
+
+
 def test_world_size_one_pipe_is_a_module_like_pytorchs():
     """What code for PyTorch's Pipe does with it in a world of one: index and iterate its layers, read
     its devices, wrap it in DDP (checkpoint='never') or in a parent module and save and load their state
