@@ -78,7 +78,7 @@ class _Hop(torch.autograd.Function):
     """Join ``phonies`` into a stage's output, fork a phony off it, and call ``callback`` (if any) when
     the output's gradients arrive: a join, a fork and :func:`mark`, in one node.
 
-    ``masked``: the phony has one element per tensor, and its gradient (from :class:`_Received`) says
+    ``masked``: the phony has one element per tensor, and its gradient (from :class:`_Arrival`) says
     which tensors the receiver used; the others get no gradient here (``None``), as in one process.
     Distributed autograd sends zeros for them otherwise."""
 
@@ -105,7 +105,7 @@ class _Hop(torch.autograd.Function):
         return (None, None, None, *tensor_grads, *(torch.empty(0, device=d) for d in ctx.phony_devices))
 
 
-class _Received(torch.autograd.Function):
+class _Arrival(torch.autograd.Function):
     """A received message's tensors as they came, and a phony on ``device`` to join into what the stage
     makes of them; in backward, calls ``callback`` once all their gradients are in, and answers the
     sender's phony with which tensors got one (see :class:`_Hop`)."""
@@ -189,7 +189,7 @@ def arrival(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] 
     into the output made of it; ``callback`` runs once all gradients for ``value`` are in (or, where
     none needs one, after the nodes recorded later on this thread, as with :func:`fence`)."""
     tensors = [value] if isinstance(value, Tensor) else list(value)
-    *outputs, joined = _Received.apply(callback, device, phony, *tensors)
+    *outputs, joined = _Arrival.apply(callback, device, phony, *tensors)
     return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), joined
 
 

@@ -140,7 +140,7 @@ class Stage:
             backward_end = self._backward_callback(meta.step, i, "end")
             crosses = bool(phonies) or sent_with is not None  # the output crosses an RPC hop
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
-            if sent_with is not None and meta.grad_enabled:  # (both ways below, in one node)
+            if sent_with is not None and meta.grad_enabled:  # it times the end of backward too, both cases below
                 value, joined = arrival(value, sent_with, backward_end, self.device)
                 phonies = [joined, *phonies]
             elif inputs_need_grad:  # backward ends when the inputs' gradients are computed
