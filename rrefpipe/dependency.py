@@ -45,6 +45,21 @@ def new_phony(requires_grad: bool = True) -> Tensor:
 # and the layers before it would get zero gradients where one process gives none.
 
 
+def _identity(ctx: Any, tensors: Sequence[Tensor], differentiable: Sequence[bool]) -> tuple[Tensor, ...]:
+    """``tensors`` as a node's outputs; those not ``differentiable`` stay without gradient (autograd would
+    make every output of a node with a differentiable input differentiable)."""
+    outputs = tuple(t.detach() for t in tensors)
+    constant = [o for o, d in zip(outputs, differentiable) if not d]
+    if constant:
+        ctx.mark_non_differentiable(*constant)
+    return outputs
+
+
+def _shaped_like(value: TensorOrTensors, tensors: Sequence[Tensor]) -> TensorOrTensors:
+    """``tensors`` as a tensor or a tuple, as ``value`` is."""
+    return tensors[0] if isinstance(value, Tensor) else tuple(tensors)
+
+
 class _Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, phony: Tensor) -> Tensor:
@@ -64,9 +79,7 @@ class _Marker(torch.autograd.Function):
     def forward(ctx: Any, callback: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.callback = callback
-        outputs = tuple(t.detach() for t in tensors)
-        ctx.mark_non_differentiable(*(o for o, t in zip(outputs, tensors) if not t.requires_grad))
-        return outputs
+        return _identity(ctx, tensors, [t.requires_grad for t in tensors])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -89,11 +102,7 @@ class _Hop(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.callback, ctx.masked = callback, masked
         ctx.phony_devices = [p.device for p in args[count:]]
-        outputs = tuple(t.detach() for t in args[:count])
-        constant = [o for o, d in zip(outputs, differentiable) if not d]
-        if constant:
-            ctx.mark_non_differentiable(*constant)
-        return (*outputs, torch.zeros(count if masked else 0))
+        return (*_identity(ctx, args[:count], differentiable), torch.zeros(count if masked else 0))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -115,11 +124,7 @@ class _Arrival(torch.autograd.Function):
                 *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.callback, ctx.phony_size, ctx.phony_device = callback, phony.numel(), phony.device
-        outputs = tuple(t.detach() for t in tensors)
-        constant = [o for o, t in zip(outputs, tensors) if not t.requires_grad]
-        if constant:
-            ctx.mark_non_differentiable(*constant)
-        return (*outputs, torch.empty(0, device=device))
+        return (*_identity(ctx, tensors, [t.requires_grad for t in tensors]), torch.empty(0, device=device))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -176,11 +181,11 @@ def hop(value: TensorOrTensors, phonies: Sequence[Tensor], callback: Callable[[]
     loses its phony, and the driver's loss may use no other tensor of the step's output message (a
     frozen teacher's), where backward must still reach every send. There the first tensor that can
     carry a gradient is the one (an integer mask first, say, cannot)."""
-    tensors = [value] if isinstance(value, Tensor) else list(value)
+    tensors = as_tensors(value)
     k = 0 if as_is else next((j for j, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()), 0)
     differentiable = tuple(t.requires_grad or (j == k and not as_is) for j, t in enumerate(tensors))
     *outputs, phony = _Hop.apply(callback, differentiable, masked, *tensors, *phonies)
-    return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), phony
+    return _shaped_like(value, outputs), phony
 
 
 def arrival(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] | None,
@@ -188,9 +193,8 @@ def arrival(value: TensorOrTensors, phony: Tensor, callback: Callable[[], None] 
     """``value`` as received with ``phony`` (from a masked :func:`hop`), and a phony on ``device`` to join
     into the output made of it; ``callback`` runs once all gradients for ``value`` are in (or, where
     none needs one, after the nodes recorded later on this thread, as with :func:`fence`)."""
-    tensors = [value] if isinstance(value, Tensor) else list(value)
-    *outputs, joined = _Arrival.apply(callback, device, phony, *tensors)
-    return (outputs[0] if isinstance(value, Tensor) else tuple(outputs)), joined
+    *outputs, joined = _Arrival.apply(callback, device, phony, *as_tensors(value))
+    return _shaped_like(value, outputs), joined
 
 
 def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensors:
@@ -204,8 +208,7 @@ def mark(value: TensorOrTensors, callback: Callable[[], None]) -> TensorOrTensor
         # and it dies with the tensor (never put one on a leaf: a user's tensor would keep it).
         needing[0].register_hook(lambda grad: callback())
         return value
-    marked = _Marker.apply(callback, *tensors)
-    return marked[0] if isinstance(value, Tensor) else tuple(marked)
+    return _shaped_like(value, _Marker.apply(callback, *tensors))
 
 
 def fence(callback: Callable[[], None], phonies: Sequence[Tensor], device: torch.device) -> Tensor:
