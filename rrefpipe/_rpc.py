@@ -1,6 +1,7 @@
 """The one thin wrapper around the private corners of ``torch.distributed.rpc`` that rrefpipe needs."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch.distributed.autograd as dist_autograd
@@ -62,6 +63,44 @@ def release_if_only_received(context_id: int) -> None:
     here."""
     if not dist_autograd._retrieve_context(context_id)._send_functions():
         dist_autograd._release_context(context_id)
+
+
+_retained: dict[int, Any] = {}  # context id -> the context object, kept past its release
+_RETAIN_MARGIN = 5.0  # seconds past the RPC timeout
+_retained_lock = threading.Lock()
+
+
+def retain_context(context_id: int) -> None:
+    """Keep this process's distributed-autograd context ``context_id`` alive past its release (by the
+    driver's ``with`` block, or on a worker by the clean-up that follows) for the RPC timeout and a
+    margin, counted from now: call it when a backward in the context has failed.
+
+    A backward that fails returns while gradient RPCs of its context are still in flight (another
+    pipe's, the other micro-batches'), and torch's callback for each one keeps a bare pointer to the
+    context (``DistAutogradContext::addOutstandingRpc``): an RPC that failed after the release (its
+    peer had already dropped the context) locked freed memory. That aborted the process (glibc's
+    ``e != ESRCH || !robust``), or failed the next, healthy backward, whose context had taken the
+    memory. Every such RPC ends within the RPC timeout (with none set, the context stays for good),
+    unless a stage's backward goes on for longer than that after the failure and sends then. The
+    context keeps its gradients meanwhile. A context this process no longer has is left alone.
+    """
+    try:
+        context = dist_autograd._retrieve_context(context_id)
+    except RuntimeError:
+        return
+    with _retained_lock:
+        _retained[context_id] = context
+    timeout = rpc.get_rpc_timeout()
+    if timeout > 0:
+        timer = threading.Timer(timeout + _RETAIN_MARGIN, _forget_context, args=(context_id, context))
+        timer.daemon = True
+        timer.start()
+
+
+def _forget_context(context_id: int, context: Any) -> None:
+    with _retained_lock:
+        if _retained.get(context_id) is context:
+            del _retained[context_id]
 
 
 def in_graceful_shutdown() -> bool:

@@ -6,6 +6,7 @@ back here in one message (``deliver``), or keeps them when the pipe's output sho
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -313,8 +314,27 @@ class RemoteDriver:
         by_pipe, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
         try:
             dist_autograd.backward(context_id, losses + unreached)
-        except RuntimeError as exc:
-            raise self._explain(exc, "backward", by_pipe) from exc
+        except BaseException as exc:
+            retained = self._retain_context(context_id, by_pipe)
+            try:
+                if isinstance(exc, RuntimeError):
+                    raise self._explain(exc, "backward", by_pipe) from exc
+                raise
+            finally:
+                for call in retained:
+                    with contextlib.suppress(Exception):
+                        call.wait()
+
+    def _retain_context(self, context_id: int, by_pipe: dict[str, contexts.Forwards]) -> list[Future[None]]:
+        """Keep a failed backward's context alive here and on every stage worker of the pipes in it
+        until the gradient RPCs still in flight there have ended (:func:`_rpc.retain_context`). The
+        calls must be answered before the caller's ``with`` block releases the context."""
+        _rpc.retain_context(context_id)
+        calls = []
+        for worker in sorted({w for record in by_pipe.values() for w in record.workers} | set(self.workers)):
+            with contextlib.suppress(Exception):  # a worker known to be gone
+                calls.append(rpc.rpc_async(worker, _rpc.retain_context, args=(context_id,), timeout=2))
+        return calls
 
     def _explain(self, exc: BaseException, phase: str,
                  by_pipe: dict[str, contexts.Forwards] | None = None) -> BaseException:

@@ -490,7 +490,7 @@ class SignalsRecompute(nn.Module):
         return torch.tanh(x)  # saves its output, so backward needs the recomputation
 
 
-class _AwaitRecomputes(torch.autograd.Function):
+class _AwaitFiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer):  # type: ignore[no-untyped-def]
         ctx.layer = layer
@@ -504,16 +504,16 @@ class _AwaitRecomputes(torch.autograd.Function):
         deadline = time.monotonic() + layer.timeout
         while len(list(Path(layer.folder).iterdir())) < wanted:  # waits on a condition, with a deadline
             if time.monotonic() > deadline:
-                raise TimeoutError(f"backward call {layer.calls} waited {layer.timeout} s for {wanted} "
-                                   f"recomputations on an earlier stage; "
-                                   f"{len(list(Path(layer.folder).iterdir()))} came")
+                raise TimeoutError(f"backward call {layer.calls} waited {layer.timeout} s for {wanted} files in "
+                                   f"{layer.folder}; {len(list(Path(layer.folder).iterdir()))} came")
             time.sleep(0.005)
         return grad, None
 
 
-class AwaitsRecomputes(nn.Module):
+class AwaitsFiles(nn.Module):
     """In its k-th backward (k = 1, 2, ...), before the gradient goes on to earlier stages, waits until
-    ``k - offset`` recomputations have left a file in ``folder`` (see :class:`SignalsRecompute`)."""
+    ``folder`` holds ``k - offset`` files: left by another process's :class:`SignalsRecompute`, or by
+    the test's driver."""
 
     def __init__(self, folder: str, offset: int = 0, timeout: float = 20.0) -> None:
         super().__init__()
@@ -521,7 +521,7 @@ class AwaitsRecomputes(nn.Module):
         self.calls = 0
 
     def forward(self, x: Tensor) -> Tensor:
-        return _AwaitRecomputes.apply(x, self)
+        return _AwaitFiles.apply(x, self)
 
 
 # -- Ctrl-C while a step is held ----------------------------------------------------------------------

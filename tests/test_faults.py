@@ -221,6 +221,70 @@ def test_a_stage_failing_in_another_pipes_backward_is_named(shared):
     assert (v["phase"], v["cause"], v["next_steps"]) == ("backward", "True", "ok")
 
 
+def test_gradients_still_in_flight_after_a_failed_backward_harm_nothing(tmp_path):
+    """Pipe B's stage raises while pipe A's backward is held on its last stage until the context has
+    been released; then A's gradient reaches a stage that has dropped the context, and that error comes
+    back to the driver. torch's callback for it pointed at the freed context: the script aborted
+    (glibc's ``e != ESRCH``) or a later, healthy backward failed with the late error
+    ("Could not find autograd context"). Now the failed contexts are kept until their RPCs end."""
+    v = _run("gradients in flight after a failed backward", f"""
+        import pathlib
+        from workers import LocalWorkers
+        import torch.distributed.rpc as rpc
+        from tests.distributed.probes import check_transparent, retained_contexts
+        folder = pathlib.Path({str(tmp_path)!r})
+        with LocalWorkers(4) as workers:
+            a_model = nn.Sequential(nn.Linear(4, 4), layers.AwaitsFiles(str(folder)), nn.Linear(4, 2))
+            b_model = nn.Sequential(nn.Linear(4, 4), layers.RaiseInBackward("B's gradient is wrong"), nn.Linear(4, 2))
+            a = Pipe(a_model, chunks=1, balance=[1, 2], workers=["worker1", "worker2"])
+            b = Pipe(b_model, chunks=2, balance=[1, 2], workers=["worker3", "worker4"])
+            failed, contexts = 0, []
+            for step in range(8):  # a late error landed on the next context, if it did, at random
+                x = torch.randn(4, 4)
+                try:
+                    with dist_autograd.context() as ctx:
+                        contexts.append(ctx)
+                        a.backward(ctx, a(x).local_value().sum() + b(x).local_value().sum())
+                except StageError as exc:
+                    failed += exc.worker == "worker4" and "B's gradient is wrong" in str(exc)
+                (folder / f"released-{{step}}").touch()  # A's held backward goes on, into a released context
+            report(failed=failed)
+            for name in ["driver", "worker1", "worker2", "worker3", "worker4"]:
+                report(**{{f"retained_{{name}}": rpc.rpc_sync(name, retained_contexts) == contexts}})
+            for step in range(3):  # A's layer lets these through: their files are there
+                (folder / f"healthy-{{step}}").touch()
+                check_transparent(a, a_model, torch.randn(4, 4, requires_grad=True))
+            with torch.no_grad():
+                torch.testing.assert_close(b(x).local_value(), b_model(x))
+            report(next_steps="ok")
+            a.close()
+            b.close()
+    """)
+    assert (v["failed"], v["next_steps"]) == ("8", "ok")
+    assert {k: v[k] for k in v if k.startswith("retained")} == {
+        f"retained_{name}": "True" for name in ["driver", "worker1", "worker2", "worker3", "worker4"]}
+
+
+def test_a_retained_context_outlives_its_release_by_the_rpc_timeout():
+    """The context of a failed backward (above) is kept past its release, and dropped once its RPCs
+    have all ended: the RPC timeout (here 0.2 s) and a margin (here none) later."""
+    v = _run("context kept past its release", """
+        from unittest import mock
+        from rrefpipe import _rpc
+        dist_autograd._init(0)  # the context container, without an RPC group
+        with mock.patch.object(_rpc.rpc, "get_rpc_timeout", return_value=0.2), \\
+                mock.patch.object(_rpc, "_RETAIN_MARGIN", 0.0):
+            with dist_autograd.context() as ctx:
+                _rpc.retain_context(ctx)
+            report(released=not _rpc.context_exists(ctx), kept=ctx in _rpc._retained)
+            deadline = time.monotonic() + 20
+            while ctx in _rpc._retained and time.monotonic() < deadline:  # a condition, with a deadline
+                time.sleep(0.01)
+            report(dropped=ctx not in _rpc._retained)
+    """)
+    assert (v["released"], v["kept"], v["dropped"]) == ("True", "True", "True")
+
+
 def test_a_remote_output_left_out_of_the_loss_is_named_when_backward_times_out():
     """With ``remote_output=True`` the driver cannot see which fetched outputs reach the loss, so a
     forward left out of it makes backward wait for the RPC timeout; the error then says so."""

@@ -27,6 +27,13 @@ def _parameter_devices(pipe_id: str, index: int) -> list[str]:
     return sorted({str(p.device) for p in _server(pipe_id, index).stage.module.parameters()})
 
 
+def retained_contexts() -> list[int]:
+    """On any process: the ids of the distributed-autograd contexts kept past their release."""
+    from rrefpipe import _rpc
+
+    return sorted(_rpc._retained)
+
+
 def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     """Runs on each stage's worker (inside the context); only the test suite needs this."""
     driver = pipe._driver

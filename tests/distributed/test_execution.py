@@ -10,7 +10,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe
 from tests.distributed.probes import stage_gradients
-from tests.layers import AwaitsRecomputes, SignalsRecompute, mlp, twin
+from tests.layers import AwaitsFiles, SignalsRecompute, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,7 +180,7 @@ def test_earlier_stages_recompute_ahead_of_their_gradients(cluster, tmp_path, ch
     folder = str(tmp_path)
     offset = 1 if checkpoint == "except_last" else 0  # stage 0 does not recompute the last micro-batch
     plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Identity())
-    model = nn.Sequential(plain[0], SignalsRecompute(folder), plain[2], AwaitsRecomputes(folder, offset))
+    model = nn.Sequential(plain[0], SignalsRecompute(folder), plain[2], AwaitsFiles(folder, offset))
     x = torch.randn(16, 4)
     with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[2, 2], workers=cluster.names[:2]) as pipe:
         with dist_autograd.context() as ctx:
