@@ -85,6 +85,7 @@ class _Job:
     sent_with: Tensor | None = None  # the phony of the previous stage's hop (``Stage.run``)
     skips: dict[SkipKey, Tensor | None] = field(default_factory=dict)
     nones: frozenset[SkipKey] = frozenset()
+    refused: tuple[BaseException, str] | None = None  # an input that could not be taken in, and its phase
     future: Future[Status] = field(default_factory=Future)
 
 
@@ -172,11 +173,16 @@ class StageServer:
         def update(job: _Job) -> None:
             if phony is None:
                 job.skips[key] = tensor
-            else:  # backward answers the phony with whether the popping layer used the tensor
+                return
+            try:  # backward answers the phony with whether the popping layer used the tensor
                 with torch.enable_grad():
                     arrived, joined = arrival(tensor, phony, None, self.stage.device)
-                job.skips[key] = arrived  # type: ignore[assignment]  # (one tensor in, one out)
-                job.phonies.append(joined)
+            except Exception as exc:  # the micro-batch fails here, rather than wait for the skip for ever
+                job.skips[key] = None
+                job.refused = job.refused or (exc, f"forward (taking in skip {key[1]!r} ({key[0]}))")
+                return
+            job.skips[key] = arrived  # type: ignore[assignment]  # (one tensor in, one out)
+            job.phonies.append(joined)
 
         self._arrive(meta, "skip", tensor, {i: update})
 
@@ -250,10 +256,10 @@ class StageServer:
                 if not job.future.done():
                     job.future.set_result(failure)
 
-    def _fail(self, job: _Job, exc: BaseException) -> Failure:
+    def _fail(self, job: _Job, exc: BaseException, phase: str = "forward") -> Failure:
         """Record ``exc`` as the step's failure, at ``job``'s micro-batch: the later ones are cancelled."""
         failure = Failure.capture(exc, stage=self.spec.index, worker=self.stage.worker, microbatch=job.i,
-                                  phase="forward")
+                                  phase=phase)
         with self._lock:
             self._failure = failure
         return failure
@@ -261,9 +267,11 @@ class StageServer:
     def _process(self, job: _Job) -> None:
         assert job.meta is not None and job.value is not None
         try:
+            if job.refused is not None:
+                raise job.refused[0]
             out = self.stage.run(job.meta, job.i, job.value, job.phonies, job.skips, job.sent_with)
         except BaseException as exc:  # SystemExit from a layer too: it fails the step, not the worker
-            failure = self._fail(job, exc)
+            failure = self._fail(job, exc, job.refused[1] if job.refused else "forward")
             self._push()  # the micro-batches before it go on, as they would have one by one
             job.future.set_result(failure)
             return

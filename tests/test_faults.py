@@ -285,6 +285,34 @@ def test_a_retained_context_outlives_its_release_by_the_rpc_timeout():
     assert (v["released"], v["kept"], v["dropped"]) == ("True", "True", "True")
 
 
+def test_a_skip_that_cannot_be_taken_in_fails_the_step_at_once():
+    """The stage that pops a skip fails to take it in (a device copy out of memory, say): its
+    micro-batch fails with that cause, naming the stage, at once. It waited for the skip until the RPC
+    timeout. The pipe then trains on."""
+    v = _run("skip that cannot be taken in", """
+        import torch.distributed.rpc as rpc
+        from tests.distributed.probes import check_transparent, fail_skip_arrivals
+        model = nn.Sequential(layers.StashInput(), nn.Linear(4, 4), nn.Linear(4, 4), layers.PopAdd())
+        pipe = Pipe(model, chunks=2, balance=[2, 2], rpc_timeout=30)
+        rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=("no room for the skip",))
+        t = time.monotonic()
+        try:
+            with dist_autograd.context() as ctx:
+                pipe(torch.randn(4, 4))
+        except StageError as exc:
+            report(stage=exc.stage, worker=exc.worker, microbatch=exc.microbatch, phase=exc.phase,
+                   cause="no room for the skip" in str(exc), surfaced=time.monotonic() - t)
+        rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=(None,))
+        check_transparent(pipe, model, torch.randn(4, 4, requires_grad=True))
+        report(next_step="ok")
+        pipe.close()
+    """)
+    assert (v["stage"], v["worker"], v["microbatch"]) == ("1", "worker2", "0")
+    assert v["phase"].startswith("forward") and "skip" in v["phase"]
+    assert (v["cause"], v["next_step"]) == ("True", "ok")
+    assert float(v["surfaced"]) < 10
+
+
 def test_a_remote_output_left_out_of_the_loss_is_named_when_backward_times_out():
     """With ``remote_output=True`` the driver cannot see which fetched outputs reach the loss, so a
     forward left out of it makes backward wait for the RPC timeout; the error then says so."""

@@ -34,6 +34,17 @@ def retained_contexts() -> list[int]:
     return sorted(_rpc._retained)
 
 
+def fail_skip_arrivals(message: str | None) -> None:
+    """On a stage worker: make taking in an arriving skip (with its gradient's phony) raise
+    RuntimeError(message) from now on, as a device copy that runs out of memory would; None undoes it."""
+    from rrefpipe import dependency, server
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(message)
+
+    server.arrival = dependency.arrival if message is None else failing  # type: ignore[assignment]
+
+
 def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     """Runs on each stage's worker (inside the context); only the test suite needs this."""
     driver = pipe._driver
