@@ -57,6 +57,17 @@ def send_functions(context_id: int) -> list[Any]:
         return []
 
 
+def received_from(context_id: int, worker: str) -> list[Any]:
+    """The autograd nodes of what this process received from ``worker`` in context ``context_id``
+    (none if it has no such context): a message's id carries its sender's worker id in its top 16 bits."""
+    sender = rpc.get_worker_info(worker).id
+    try:
+        received = dist_autograd._retrieve_context(context_id)._recv_functions()
+    except RuntimeError:
+        return []
+    return [node for message_id, node in received.items() if message_id >> 48 == sender]
+
+
 def release_if_only_received(context_id: int) -> None:
     """Release this process's distributed-autograd context ``context_id`` if it holds no send node:
     nothing was sent from here in it, so an incoming message created it, not a ``dist_autograd.context()``

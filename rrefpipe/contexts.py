@@ -98,7 +98,7 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
                                "for the first one's sends until the RPC timeout, or for ever). Run each step in its "
                                "own dist_autograd.context(); to accumulate gradients, sum the losses of several "
                                "forwards into one backward")
-        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses, sends)
+        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses, sends, entry.unreached)
         entry.backward_by = pipe_id
         unreached, entry.unreached = entry.unreached, []
         by_pipe, entry.forwards = entry.forwards, {}  # the nodes: the graph is spent
@@ -111,14 +111,16 @@ def _whose(pipe_id: str, caller: str) -> str:
 
 
 def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, losses: list[Tensor],
-                           sends: list[Any]) -> None:
+                           sends: list[Any], unreached: list[Tensor]) -> None:
     """Refuse a backward whose losses leave out a forward of the context, of any pipe.
 
     The graph is walked from the losses and from this process's sends, which distributed autograd
     takes as roots too: an output fed into another pipe (``d(g(x))``) gets its gradient back through
     the send of that pipe's input. Each output that came to the driver is checked by its nodes.
-    Outputs kept on the last worker are fetched by the caller (``to_here()``), so only one thing can be
-    said of them: a loss that reaches no received tensor at all leaves every one of them out."""
+    Outputs kept on the last worker are fetched by the caller (``to_here()``), so the driver cannot tell
+    them apart: a loss that reaches no received tensor at all leaves every one of them out, and one
+    that leaves out a tensor received from that worker in the context (a fetched output detached as a
+    target) leaves out its forward. A forward never fetched here is not seen (the RPC timeout ends it)."""
     if not any(f.outputs or f.remote for f in by_pipe.values()):
         return
     reached: set[Any] = set()
@@ -136,9 +138,22 @@ def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller
                 f"{context_id} is not part of the loss (left out, or its output detached): distributed autograd "
                 "would wait for its sends until the RPC timeout, or for ever. Run forwards you do not backpropagate "
                 "(validation, metrics, a frozen teacher) under torch.no_grad() or outside the context")
-        if record.remote and not any(node.name().endswith("RecvRpcBackward") for node in reached):
+    kept = {phony.grad_fn for phony in unreached}  # reached through the sums begin_backward adds
+    for pipe_id, record in by_pipe.items():
+        if not record.remote:
+            continue
+        if not any(node.name().endswith("RecvRpcBackward") for node in reached):
             raise RuntimeError(
                 f"the loss uses no output of the {record.remote} forward(s) of {_whose(pipe_id, caller)} in autograd "
                 f"context {context_id} whose outputs stayed on the last worker (remote_output=True): distributed "
                 "autograd would wait for their sends for ever. Use the fetched output (rref.to_here()) in the loss, "
                 "or run forwards you do not backpropagate under torch.no_grad() or outside the context")
+        fetched = _rpc.received_from(context_id, record.workers[-1])
+        detached = sum(node not in reached and node not in kept for node in fetched)
+        if detached:
+            raise RuntimeError(
+                f"{detached} of the {len(fetched)} tensor message(s) fetched in autograd context {context_id} from "
+                f"{record.workers[-1]!r}, the last worker of {_whose(pipe_id, caller)} (remote_output=True, "
+                f"{record.remote} forward(s) here), are not part of the loss (detached, say, as a frozen teacher's "
+                "target): distributed autograd would wait for that forward's sends for ever. Run forwards you do not "
+                "backpropagate under torch.no_grad() or outside the context")

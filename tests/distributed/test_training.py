@@ -185,6 +185,40 @@ def test_a_loss_backward_cannot_take_is_refused_before_the_context_records_a_bac
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_kept_teacher_output_fetched_and_detached_is_refused_by_the_students_backward(cluster):
+    """As above, with the teacher's output kept on its last worker (remote_output=True) and fetched:
+    the driver cannot tell that output from others, and the student's backward waited for ever. The
+    fetched message's receive node, which the loss does not reach, now says so at once. A second fetch,
+    in the loss, does not hide the first; the teacher under no_grad gives the plain gradients."""
+    teacher_model = mlp([10, 16, 4], seed=4)
+    student_model = mlp([10, 16, 4], seed=3)
+    reference = twin(student_model)
+    (x, _), = blobs(1, 12, seed=5)
+    F.mse_loss(reference(x), teacher_model(x).detach()).backward()
+    with Pipe(teacher_model, chunks=3, balance=[1, 2], workers=cluster.names[:2], remote_output=True) as teacher, \
+            Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4]) as student:
+        with dist_autograd.context() as ctx:
+            target = teacher(x).to_here().detach()
+            loss = F.mse_loss(student(x).local_value(), target)
+            for _ in range(2):  # refused again when retried, not waited out
+                with pytest.raises(RuntimeError, match=f"1 of the 1 tensor message.s. fetched in autograd context "
+                                                       f"{ctx} from '{cluster.names[1]}', the last worker of pipe "
+                                                       f"{teacher._driver.pipe_id} .* not part of the loss"):
+                    student.backward(ctx, loss)
+        with dist_autograd.context() as ctx:
+            rref = teacher(x)
+            target, used = rref.to_here().detach(), rref.to_here()
+            with pytest.raises(RuntimeError, match="1 of the 2 tensor message.s. fetched"):
+                student.backward(ctx, F.mse_loss(student(x).local_value(), target) + 0 * used.sum())
+        with dist_autograd.context() as ctx:
+            with torch.no_grad():
+                target = teacher(x).to_here()
+            student.backward(ctx, F.mse_loss(student(x).local_value(), target))
+            grads = stage_gradients(student, ctx)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
+
+
 class ArgMax(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=1)
