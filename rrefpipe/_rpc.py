@@ -20,6 +20,12 @@ def is_initialized() -> bool:
     return rpc.is_available() and rpc_api._is_current_rpc_agent_set()
 
 
+def current_agent() -> object | None:
+    """This process's RPC agent, or None: the same object for as long as that group lasts, so a group
+    started later (after ``rpc.shutdown()``) is told apart from it."""
+    return rpc_api._get_current_rpc_agent() if is_initialized() else None
+
+
 def self_name() -> str:
     return rpc.get_worker_info().name
 

@@ -87,6 +87,35 @@ def test_a_pipe_after_the_users_own_rpc_shutdown_starts_new_workers():
 
 
 @pytest.mark.timeout(120)
+def test_the_users_own_group_after_rpc_shutdown_is_not_taken_for_the_embedded_one():
+    """After ``rpc.shutdown()`` under an open pipe the user starts a group of their own, with the same
+    worker names: a new pipe used the old embedded group's bookkeeping (counted as running while RPC
+    was initialised at all), and closing the old pipe then stopped the user's workers. Now the new pipe
+    takes the user's group, and the user's workers outlive the old pipe's close."""
+    out = run_script("""
+        import torch, torch.distributed.rpc as rpc
+        from torch import nn
+        from rrefpipe import Pipe
+        from workers import LocalWorkers
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        x = torch.randn(2, 4)
+        first = Pipe(model, chunks=1, balance=[1, 1])
+        rpc.shutdown()
+        with LocalWorkers(2) as mine:
+            with Pipe(model, chunks=1, balance=[1, 1]) as second, torch.no_grad():
+                torch.testing.assert_close(second(x).local_value(), model(x))
+                print("embedded=" + str(second._local_workers is not None))
+            first.close()
+            print("mine_exited=" + str(mine.exited()))
+            with Pipe(model, chunks=1, balance=[1, 1], workers=mine.names) as third, torch.no_grad():
+                torch.testing.assert_close(third(x).local_value(), model(x))
+                print("after_close=ok")
+    """, timeout=110)
+    assert _values(out.stdout, "embedded") == ["False"]
+    assert _values(out.stdout, "mine_exited") == ["{}"] and _values(out.stdout, "after_close") == ["ok"]
+
+
+@pytest.mark.timeout(120)
 def test_a_dead_worker_of_an_open_pipe_is_named_until_that_pipe_is_closed():
     """A pipe built while another open pipe's worker is dead says which one and what to do; once that
     pipe is closed, or dropped without ``close()``, the next pipe starts new workers."""

@@ -85,11 +85,12 @@ class LocalWorkers:
         self.refs = 0
         self._procs: list[subprocess.Popen[bytes]] = []
         self._started = False
+        self._agent: object | None = None  # the driver's RPC agent of this group (the user may start another)
         self._owner: int | None = None  # the process that started the workers
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> LocalWorkers:
-        from rrefpipe import _rpc  # the only place the launcher touches rpc internals
+        from rrefpipe import _rpc
 
         if _rpc.is_initialized():
             raise RuntimeError("RPC is already initialised in this process: close the other pipe or LocalWorkers "
@@ -134,6 +135,7 @@ class LocalWorkers:
             with watching(port, lambda: any(p.poll() is not None for p in self._procs)):
                 init_rpc(self.driver_name, rank=0, world_size=world, options=options)
             rpc._set_rpc_timeout(self.rpc_timeout)
+            self._agent = _rpc.current_agent()
         except BaseException as exc:
             dead = {name: p.returncode for name, p in zip(self.names, self._procs) if p.poll() is not None}
             self._reap(timeout=0)  # they watch their stdin only once joined: nothing to wait for
@@ -165,17 +167,16 @@ class LocalWorkers:
         Only in the process that started them: a child forked from it (``os.fork``) inherits this object
         and its exit hooks, but neither the RPC agent's threads nor the worker processes as children, and
         its ``stop_workers`` waited forever on replies no thread was left to receive."""
-        from rrefpipe import _rpc
-
         if self._owner != os.getpid():
             return
         if self._started:
             self._started = False
-            if _rpc.is_initialized():  # the user may have shut RPC down already
+            if self._in_group():  # the user may have shut RPC down already, or joined another group since
                 # Each worker is asked to leave, then the driver leaves. Closing the stdin pipes would
                 # tell them too, but a child forked from the driver (a DataLoader worker) holds copies
                 # of those pipes open: the workers then waited out the reaping and were killed.
                 stop_workers(self.names)
+            self._agent = None
         self._reap()
 
     def _reap(self, timeout: float = 10.0) -> None:
@@ -202,10 +203,14 @@ class LocalWorkers:
 
     @property
     def running(self) -> bool:
-        """Started, and RPC not shut down since (a user's own ``rpc.shutdown()`` ends the group too)."""
+        """Started, and RPC not shut down since (a user's own ``rpc.shutdown()`` ends the group too, and
+        their own ``init_rpc`` after it starts another)."""
+        return self._started and self._in_group()
+
+    def _in_group(self) -> bool:
         from rrefpipe import _rpc
 
-        return self._started and _rpc.is_initialized()
+        return self._agent is not None and _rpc.current_agent() is self._agent
 
     def exited(self) -> dict[str, int]:
         """The workers whose process has exited, with their exit status."""
