@@ -26,6 +26,15 @@ def current_agent() -> object | None:
     return rpc_api._get_current_rpc_agent() if is_initialized() else None
 
 
+def wait(future: Any) -> Any:
+    """``future.wait()`` that Ctrl-C interrupts: torch's own wait holds the thread in C++, where Python
+    runs no signal handler until the call ends (the RPC timeout, for a worker that holds the call)."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    done.wait()
+    return future.wait()
+
+
 def self_name() -> str:
     return rpc.get_worker_info().name
 

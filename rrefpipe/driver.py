@@ -145,7 +145,7 @@ class RemoteDriver:
         if reported:
             fn, args = control.reporting, (fn, *args)
         try:
-            result = rpc.rpc_sync(self.workers[index], fn, args=args, timeout=self.rpc_timeout)
+            result = _rpc.wait(rpc.rpc_async(self.workers[index], fn, args=args, timeout=self.rpc_timeout))
         except Exception as exc:
             raise self._control_failure(index, args[0] if reported else fn, exc) from exc
         return _raised_if_failed(index, result)
@@ -178,7 +178,7 @@ class RemoteDriver:
             if isinstance(call, Exception):
                 raise self._control_failure(j, fn, call) from call
             try:
-                result = call.wait()
+                result = _rpc.wait(call)
             except Exception as exc:
                 raise self._control_failure(j, fn, exc) from exc
             results.append(_raised_if_failed(j, result))

@@ -224,10 +224,14 @@ def _rpc_initialized() -> bool:
 
 def track_workers(workers: list[str]) -> None:
     """Start tracking on each named worker (call before training)."""
+    from . import _rpc
+
     for future in [rpc.rpc_async(w, start_tracking) for w in workers]:
-        future.wait()
+        _rpc.wait(future)
 
 
 def worker_reports(workers: list[str], reset: bool = False) -> list[MemoryReport]:
     """Each named worker's :func:`local_report`, in order."""
-    return [future.wait() for future in [rpc.rpc_async(w, local_report, args=(reset,)) for w in workers]]
+    from . import _rpc
+
+    return [_rpc.wait(future) for future in [rpc.rpc_async(w, local_report, args=(reset,)) for w in workers]]

@@ -30,6 +30,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 from torch.optim import Optimizer
 
+from . import _rpc
+
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "RemoteLRScheduler",
            "optimizer_state_dict", "load_optimizer_state_dict"]
 
@@ -182,7 +184,7 @@ def _on_each(rrefs: list[rpc.RRef], fn: Callable[..., Any], per_rref: list[tuple
     failure: tuple[str, Exception] | None = None
     for worker, future in futures:  # wait for every one: nothing is left running behind an error
         try:
-            results.append(future.wait())
+            results.append(_rpc.wait(future))
         except Exception as exc:
             failure = failure or (worker, exc)
     if failure is not None:

@@ -543,6 +543,24 @@ class InterruptDriverAndHold(InterruptDriver):
         return x * 1
 
 
+class InterruptDriverInStateDict(InterruptDriver):
+    """In its first ``state_dict()`` on a worker, sends SIGINT to the driver (then waiting for that
+    control call) and holds the call until ``folder/released`` exists (30 s at most), then leaves
+    ``folder/left``."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        if self.interrupt_once():
+            released, deadline = Path(self.folder) / "released", time.monotonic() + 30
+            while not released.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (Path(self.folder) / "left").touch()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
 class TwoHeads(nn.Module):
     """Tensor -> (head a's output, head b's output): a loss may leave one head out."""
 

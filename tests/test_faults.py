@@ -384,6 +384,32 @@ def test_ctrl_c_reaches_the_caller_while_the_step_is_still_held(tmp_path, remote
     assert (v["interrupted"], v["held"], v["next_step"]) == ("True", "True", "ok")
 
 
+def test_ctrl_c_during_a_control_call_reaches_the_caller(tmp_path):
+    """A control call (here ``state_dict()``) that a stage holds waits where Ctrl-C can interrupt it;
+    it waited in torch's future, which KeyboardInterrupt reached only when the call ended (the RPC
+    timeout, for a stage that never answers). The abandoned call ends on the worker; the pipe goes on."""
+    v = _run("Ctrl-C during a control call", f"""
+        from pathlib import Path
+        folder = {str(tmp_path)!r}
+        # one stage: the driver waits for its reply right after sending the call
+        model = nn.Sequential(layers.InterruptDriverInStateDict(folder), nn.Linear(4, 6), nn.Linear(6, 2))
+        pipe = Pipe(model, chunks=2, balance=[3], rpc_timeout=60)
+        t = time.monotonic()
+        try:
+            pipe.state_dict()
+            report(interrupted=False)
+        except KeyboardInterrupt:
+            held = not (Path(folder) / "left").exists()
+            (Path(folder) / "released").touch()
+            report(interrupted=True, held=held, surfaced=time.monotonic() - t)
+        state = pipe.state_dict()
+        report(same=state.keys() == model.state_dict().keys()
+               and all(torch.equal(state[k], model.state_dict()[k]) for k in state))
+        pipe.close()
+    """)
+    assert (v["interrupted"], v["held"], v["same"]) == ("True", "True", "True")
+
+
 def test_interpreter_exit_with_a_dead_worker_is_prompt():
     start = time.monotonic()
     v = _run("exit with a dead worker", """
