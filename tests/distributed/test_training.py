@@ -107,114 +107,46 @@ def test_a_loss_that_uses_no_kept_output_is_refused_at_once(cluster):
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_teacher_pipe_whose_output_the_loss_detaches_is_refused_by_the_students_backward(cluster):
+@pytest.mark.parametrize("remote", [False, True], ids=["delivered", "kept"])
+def test_a_teacher_pipe_whose_output_the_loss_detaches_is_refused_by_the_students_backward(cluster, remote):
     """Distillation with a frozen teacher pipe run with gradients in the step's context, its output
     detached as the target: no gradient reaches the teacher's sends, and the student's backward waited
     for them for ever (the student knew only its own forwards). Any pipe's backward now checks every
     pipe's forwards in the context; a second backward there, by either pipe, is refused too. With the
-    teacher under no_grad the student's gradients are the plain ones."""
+    teacher under no_grad the student's gradients are the plain ones.
+    With the teacher's output kept on its last worker (remote_output=True) the driver cannot tell that
+    output from others: the fetched message's receive node, which the loss does not reach, says so, and
+    a second fetch of it, in the loss, does not hide the first."""
     teacher_model = mlp([10, 16, 4], seed=4)
     student_model = mlp([10, 16, 4], seed=3)
     reference = twin(student_model)
     (x, _), = blobs(1, 12, seed=5)
     F.mse_loss(reference(x), teacher_model(x).detach()).backward()
-    with Pipe(teacher_model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as teacher, \
+    with Pipe(teacher_model, chunks=3, balance=[1, 2], workers=cluster.names[:2], remote_output=remote) as teacher, \
             Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4]) as student:
-        with dist_autograd.context() as ctx:
-            target = teacher(x).local_value().detach()
-            loss = F.mse_loss(student(x).local_value(), target)
-            for _ in range(2):  # refused again when retried, not waited out
-                with pytest.raises(RuntimeError, match=f"forward 1 of 1 of pipe {teacher._driver.pipe_id} in "
-                                                       r"autograd context \d+ is not part of the loss"):
-                    student.backward(ctx, loss)
-        with dist_autograd.context() as ctx:
-            with torch.no_grad():
-                target = teacher(x).local_value()
-            student.backward(ctx, F.mse_loss(student(x).local_value(), target))
-            grads = stage_gradients(student, ctx)
-            with pytest.raises(RuntimeError, match=f"pipe {student._driver.pipe_id} already ran a backward"):
-                teacher.backward(ctx, F.mse_loss(student(x).local_value(), target))
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
-
-
-def test_pipes_fed_one_into_another_train_through_one_pipes_backward(cluster):
-    """An encoder pipe's output fed into a decoder pipe (GAN-style d(g(z)), or one pipe applied twice):
-    the encoder's gradient comes back through the send of the decoder's input, which the loss check
-    did not follow, so every such backward was refused as "not part of the loss". Gradients of both
-    pipes equal the plain ones."""
-    encoder, decoder, twice = mlp([10, 16, 8], seed=1), mlp([8, 16, 4], seed=2), mlp([10, 12, 10], seed=3)
-    plain = [twin(m) for m in (encoder, decoder, twice)]
-    (x, _), = blobs(1, 12, seed=5)
-    plain[1](plain[0](x)).square().mean().backward()
-    plain[2](plain[2](x)).square().mean().backward()
-    with Pipe(encoder, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as g, \
-            Pipe(decoder, chunks=3, balance=[2, 1], workers=cluster.names[2:4]) as d, \
-            Pipe(twice, chunks=2, balance=[2, 1], workers=cluster.names[:2]) as t:
-        with dist_autograd.context() as ctx:
-            d.backward(ctx, d(g(x).local_value()).local_value().square().mean())
-            grads = [stage_gradients(g, ctx), stage_gradients(d, ctx)]
-        with dist_autograd.context() as ctx:
-            t.backward(ctx, t(t(x).local_value()).local_value().square().mean())
-            grads.append(stage_gradients(t, ctx))
-    for model, got in zip(plain, grads):
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(got[name], p.grad, msg=lambda m: f"{name}: {m}")
-
-
-def test_a_loss_backward_cannot_take_is_refused_before_the_context_records_a_backward(cluster):
-    """A loss that is not a scalar, or needs no gradient, is refused as dist_autograd.backward would
-    refuse it, but before the context counts its one backward: the corrected retry in the same context
-    runs (it had been refused as a second backward)."""
-    model = mlp([10, 16, 4], seed=3)
-    reference = twin(model)
-    (x, y), = blobs(1, 12, seed=5)
-    F.cross_entropy(reference(x), y).backward()
-    with Pipe(model, chunks=3, balance=[1, 2], workers=cluster.names[:2]) as pipe:
-        with dist_autograd.context() as ctx:
-            logits = pipe(x).local_value()
-            with pytest.raises(RuntimeError, match=r"must be a scalar .* got shape \(12,\)"):
-                pipe.backward(ctx, F.cross_entropy(logits, y, reduction="none"))
-            with pytest.raises(RuntimeError, match="does not require grad"):
-                pipe.backward(ctx, F.cross_entropy(logits, y).detach())
-            with pytest.raises(TypeError, match="got a float"):
-                pipe.backward(ctx, [1.0])
-            pipe.backward(ctx, F.cross_entropy(logits, y))
-            grads = stage_gradients(pipe, ctx)
-    for name, p in reference.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
-
-
-def test_a_kept_teacher_output_fetched_and_detached_is_refused_by_the_students_backward(cluster):
-    """As above, with the teacher's output kept on its last worker (remote_output=True) and fetched:
-    the driver cannot tell that output from others, and the student's backward waited for ever. The
-    fetched message's receive node, which the loss does not reach, now says so at once. A second fetch,
-    in the loss, does not hide the first; the teacher under no_grad gives the plain gradients."""
-    teacher_model = mlp([10, 16, 4], seed=4)
-    student_model = mlp([10, 16, 4], seed=3)
-    reference = twin(student_model)
-    (x, _), = blobs(1, 12, seed=5)
-    F.mse_loss(reference(x), teacher_model(x).detach()).backward()
-    with Pipe(teacher_model, chunks=3, balance=[1, 2], workers=cluster.names[:2], remote_output=True) as teacher, \
-            Pipe(student_model, chunks=3, balance=[1, 2], workers=cluster.names[2:4]) as student:
+        teacher_id = teacher._driver.pipe_id
         with dist_autograd.context() as ctx:
             target = teacher(x).to_here().detach()
             loss = F.mse_loss(student(x).local_value(), target)
+            refusal = (f"1 of the 1 tensor message.s. fetched in autograd context {ctx} from '{cluster.names[1]}', "
+                       f"the last worker of pipe {teacher_id} .* not part of the loss" if remote else
+                       f"forward 1 of 1 of pipe {teacher_id} in autograd context {ctx} is not part of the loss")
             for _ in range(2):  # refused again when retried, not waited out
-                with pytest.raises(RuntimeError, match=f"1 of the 1 tensor message.s. fetched in autograd context "
-                                                       f"{ctx} from '{cluster.names[1]}', the last worker of pipe "
-                                                       f"{teacher._driver.pipe_id} .* not part of the loss"):
+                with pytest.raises(RuntimeError, match=refusal):
                     student.backward(ctx, loss)
-        with dist_autograd.context() as ctx:
-            rref = teacher(x)
-            target, used = rref.to_here().detach(), rref.to_here()
-            with pytest.raises(RuntimeError, match="1 of the 2 tensor message.s. fetched"):
-                student.backward(ctx, F.mse_loss(student(x).local_value(), target) + 0 * used.sum())
+        if remote:
+            with dist_autograd.context() as ctx:
+                rref = teacher(x)
+                target, used = rref.to_here().detach(), rref.to_here()
+                with pytest.raises(RuntimeError, match="1 of the 2 tensor message.s. fetched"):
+                    student.backward(ctx, F.mse_loss(student(x).local_value(), target) + 0 * used.sum())
         with dist_autograd.context() as ctx:
             with torch.no_grad():
                 target = teacher(x).to_here()
             student.backward(ctx, F.mse_loss(student(x).local_value(), target))
             grads = stage_gradients(student, ctx)
+            with pytest.raises(RuntimeError, match=f"pipe {student._driver.pipe_id} already ran a backward"):
+                teacher.backward(ctx, F.mse_loss(student(x).local_value(), target))
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
