@@ -158,6 +158,17 @@ class Recomputable:
                     s.tensor = None
                 self._recomputed = False
 
+    def discard(self) -> None:
+        """Drop what this run keeps for backward (its input, activations recomputed ahead): its step's
+        backward failed, and the graph may outlive that (a failed backward's context is kept past its
+        release, see ``_rpc.retain_context``). A backward that still comes raises."""
+        with self._lock:
+            self._error = self._error or RuntimeError("this micro-batch's step failed in backward, and its "
+                                                      "checkpoint was dropped")
+            self._input = None
+            for s in self._slots:
+                s.tensor = None
+
     def _unpack(self, slot: _Slot) -> Tensor:
         if self._first_run:
             raise RuntimeError("checkpointing: a layer of this stage computed gradients inside its own forward "

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from . import clip, grad_scaler
+from . import _rpc, clip, grad_scaler
 from .errors import Failure
 from .server import _server
 from .trace import Event
@@ -112,6 +112,13 @@ def events(pipe_id: str, index: int, clear: bool) -> list[Event]:
 def backward_failure(pipe_id: str, index: int, steps: Collection[int]) -> Failure | None:
     """The latest failure this stage recorded in the backward of one of ``steps`` (those are then forgotten)."""
     return _server(pipe_id, index).stage.take_backward_failure(steps)
+
+
+def abandon_backward(pipe_id: str, index: int, context_id: int, steps: Collection[int]) -> None:
+    """A backward in the context failed: keep the context past its release (``_rpc.retain_context``)
+    and drop what this stage's checkpoints keep for ``steps``, which that context's graph holds."""
+    _rpc.retain_context(context_id)
+    _server(pipe_id, index).stage.abandon(steps)
 
 
 def backward_running(pipe_id: str, index: int) -> float | None:

@@ -122,9 +122,11 @@ class RemoteDriver:
         self._warned_no_gradient_output = False
         self._closed = False
         self.infos: list[StageInfo] = []
+        self._placed = 0  # stages asked for: one interrupted (Ctrl-C) is still built on its worker
         try:
             for spec in specs:
                 spec.layer_offset = sum(len(info.layers) for info in self.infos)
+                self._placed = spec.index + 1
                 # cloudpickle sends classes and factories defined in the user's script by value: a
                 # worker cannot import the driver's __main__.
                 self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, _pickled(spec, workers)))
@@ -235,12 +237,12 @@ class RemoteDriver:
 
     def close(self) -> None:
         self._closed = True
-        for j, worker in enumerate(self.workers[:len(self.infos)]):
+        for j, worker in enumerate(self.workers[:self._placed]):
             try:
                 rpc.rpc_sync(worker, server.destroy_stage, args=(self.pipe_id, j), timeout=5)
             except Exception:
                 pass  # a dead worker holds no stage any more
-        self.infos = []
+        self.infos, self._placed = [], 0
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
@@ -327,13 +329,17 @@ class RemoteDriver:
 
     def _retain_context(self, context_id: int, by_pipe: dict[str, contexts.Forwards]) -> list[Future[None]]:
         """Keep a failed backward's context alive here and on every stage worker of the pipes in it
-        until the gradient RPCs still in flight there have ended (:func:`_rpc.retain_context`). The
-        calls must be answered before the caller's ``with`` block releases the context."""
+        until the gradient RPCs still in flight there have ended (:func:`_rpc.retain_context`), and
+        have each stage drop what its checkpoints keep for the failed steps, which the context's graph
+        holds meanwhile. The calls must be answered before the caller's ``with`` block releases the
+        context."""
         _rpc.retain_context(context_id)
         calls = []
-        for worker in sorted({w for record in by_pipe.values() for w in record.workers} | set(self.workers)):
-            with contextlib.suppress(Exception):  # a worker known to be gone
-                calls.append(rpc.rpc_async(worker, _rpc.retain_context, args=(context_id,), timeout=2))
+        for pipe_id, record in by_pipe.items():
+            for j, worker in enumerate(record.workers):
+                with contextlib.suppress(Exception):  # a worker known to be gone
+                    calls.append(rpc.rpc_async(worker, control.reporting, timeout=2,
+                                               args=(control.abandon_backward, pipe_id, j, context_id, record.steps)))
         return calls
 
     def _explain(self, exc: BaseException, phase: str,

@@ -443,6 +443,7 @@ def _failures(statuses: list[Status]) -> list[Failure]:
 # -- registry and RPC entry points (run on the stage's worker) ---------------------------------------
 _servers: dict[tuple[str, int], StageServer] = {}
 _registry_lock = threading.Lock()
+_destroyed_unbuilt: OrderedDict[tuple[str, int], None] = OrderedDict()  # the latest (a build may have failed)
 
 
 def _server(pipe_id: str, index: int) -> StageServer:
@@ -458,7 +459,10 @@ def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
     spec = pickle.loads(payload)
     server = StageServer(pipe_id, spec)
     with _registry_lock:
-        _servers[(pipe_id, spec.index)] = server
+        given_up = (pipe_id, spec.index) in _destroyed_unbuilt  # by its driver, while this was being built
+        _destroyed_unbuilt.pop((pipe_id, spec.index), None)
+        if not given_up:
+            _servers[(pipe_id, spec.index)] = server
     return server.stage.info()
 
 
@@ -482,8 +486,13 @@ def _noop() -> None:
 
 
 def destroy_stage(pipe_id: str, index: int) -> None:
+    """Drop the stage; one not built yet (its driver was interrupted while a worker with several RPC
+    threads builds it) is dropped once built."""
     with _registry_lock:
-        _servers.pop((pipe_id, index), None)
+        if _servers.pop((pipe_id, index), None) is None:
+            _destroyed_unbuilt[(pipe_id, index)] = None
+            while len(_destroyed_unbuilt) > 64:
+                _destroyed_unbuilt.popitem(last=False)
 
 
 @rpc.functions.async_execution

@@ -107,6 +107,8 @@ class Stage:
         # Not on a GPU yet: there a recomputation ahead would queue on the stage's stream while sends
         # record their events on it, and the next stage could wait for it (never measured: no GPU).
         self._ahead = _RecomputeAhead() if recompute_ahead and self.device.type == "cpu" else None
+        # the checkpointed runs of each step whose graph lives, for ``abandon`` (the graph owns each run)
+        self._checkpoints: dict[int, list[weakref.ref[Recomputable]]] = {}
 
     def info(self) -> StageInfo:
         names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
@@ -131,6 +133,8 @@ class Stage:
             for bn in self._deferred:
                 bn.start_minibatch(meta.chunks)
             self._backward_starts.clear()  # starts of a step whose backward never ran (eval in a context)
+            self._checkpoints = {step: runs for step, runs in self._checkpoints.items()  # steps whose graph went
+                                 if any(run() is not None for run in runs)}
             if self._ahead is not None:
                 self._ahead.new_step()
         checkpointed = meta.grad_enabled and i < meta.checkpoint_stop and self.module.training
@@ -179,7 +183,17 @@ class Stage:
         out = recomputable.run(value, [t for t in received.values() if t is not None])
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)
+        self._checkpoints.setdefault(meta.step, []).append(weakref.ref(recomputable))
         return out
+
+    def abandon(self, steps: Collection[int]) -> None:
+        """The backward of ``steps`` failed: drop the inputs and activations their checkpointed runs keep
+        here, which their graph would hold for as long as a failed backward's context is kept."""
+        for step in steps:
+            for ref in list(self._checkpoints.get(step, ())):
+                run = ref()
+                if run is not None:
+                    run.discard()
 
     def _recompute_failed(self, step: int, i: int, exc: BaseException) -> None:
         """Keep the whole story of a failed recomputation for the driver to ask: it fails inside

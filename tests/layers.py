@@ -534,31 +534,38 @@ class InterruptDriverAndHold(InterruptDriver):
         super().__init__()
         self.folder = folder
 
-    def forward(self, x: Tensor) -> Tensor:
+    def interrupt_and_hold(self) -> None:
         if self.interrupt_once():
             released, deadline = Path(self.folder) / "released", time.monotonic() + 30
             while not released.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
             (Path(self.folder) / "left").touch()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.interrupt_and_hold()
         return x * 1
 
 
-class InterruptDriverInStateDict(InterruptDriver):
-    """In its first ``state_dict()`` on a worker, sends SIGINT to the driver (then waiting for that
-    control call) and holds the call until ``folder/released`` exists (30 s at most), then leaves
-    ``folder/left``."""
+class InterruptDriverInStateDict(InterruptDriverAndHold):
+    """As :class:`InterruptDriverAndHold`, in its first ``state_dict()`` on a worker (a control call)."""
 
-    def __init__(self, folder: str) -> None:
-        super().__init__()
-        self.folder = folder
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 1
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        if self.interrupt_once():
-            released, deadline = Path(self.folder) / "released", time.monotonic() + 30
-            while not released.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            (Path(self.folder) / "left").touch()
+        self.interrupt_and_hold()
         super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
+class InterruptDriverWhenBuilt(InterruptDriverAndHold):
+    """As :class:`InterruptDriverAndHold`, while its worker builds its stage (unpickles it)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 1
+
+    def __setstate__(self, state):  # type: ignore[no-untyped-def]
+        super().__setstate__(state)
+        self.interrupt_and_hold()
 
 
 class TwoHeads(nn.Module):

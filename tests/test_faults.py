@@ -263,6 +263,36 @@ def test_gradients_still_in_flight_after_a_failed_backward_harm_nothing(tmp_path
         f"retained_{name}": "True" for name in ["driver", "worker1", "worker2", "worker3", "worker4"]}
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_failed_backward_keeps_no_checkpointed_activations(checkpoint):
+    """The contexts kept after a failed backward hold its graph, and with it what the stages keep for
+    backward. Checkpointed runs give theirs up when the backward fails (a retry after running out of
+    memory needs it back); what is not checkpointed (the last micro-batch with 'except_last') stays with
+    the graph for the RPC timeout."""
+    v = _run("kept for backward after a failed backward", f"""
+        from rrefpipe import memory
+        model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4), layers.RaiseInBackward())
+        pipe = Pipe(model, chunks=4, balance=[1, 2], checkpoint={checkpoint!r})
+        names = [stage.worker for stage in pipe.stages]
+        memory.track_workers(names)
+        with dist_autograd.context() as ctx:
+            loss = pipe(torch.randn(16, 4)).local_value().sum()
+            report(during=[r.saved_now for r in memory.worker_reports(names)])
+            try:
+                pipe.backward(ctx, loss)
+            except StageError as exc:
+                report(failed=exc.stage)
+        report(after=[r.saved_now for r in memory.worker_reports(names)])
+        pipe.close()
+    """)
+    during, after = eval(v["during"]), eval(v["after"])
+    assert v["failed"] == "1" and all(during)
+    if checkpoint == "always":
+        assert after == [0, 0]
+    else:  # (stage 0's micro-batches are views of one input: its storage counts until the last one goes)
+        assert all(0 < a <= d for a, d in zip(after, during)) and after[1] < during[1], (during, after)
+
+
 def test_a_retained_context_outlives_its_release_by_the_rpc_timeout():
     """The context of a failed backward (above) is kept past its release, and dropped once its RPCs
     have all ended: the RPC timeout (here 0.2 s) and a margin (here none) later."""
@@ -406,6 +436,31 @@ def test_ctrl_c_during_a_control_call_reaches_the_caller(tmp_path):
         pipe.close()
     """)
     assert (v["interrupted"], v["held"], v["same"]) == ("True", "True", "True")
+
+
+def test_ctrl_c_while_a_stage_is_built_leaves_no_stage_behind(tmp_path):
+    """Ctrl-C while a worker builds a stage (a large factory, say): the pipe is not made, and the stage
+    built after the driver gave up is dropped from that worker, which other pipes share."""
+    v = _run("Ctrl-C while a stage is built", f"""
+        from pathlib import Path
+        import torch.distributed.rpc as rpc
+        from tests.distributed.probes import stage_count
+        folder = {str(tmp_path)!r}
+        kept = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        keeper = Pipe(kept, chunks=1, balance=[1, 1])
+        try:
+            Pipe(nn.Sequential(layers.InterruptDriverWhenBuilt(folder), nn.Linear(4, 2)), chunks=1, balance=[1, 1])
+            report(interrupted=False)
+        except KeyboardInterrupt:
+            held = not (Path(folder) / "left").exists()
+            (Path(folder) / "released").touch()
+            report(interrupted=True, held=held)
+        report(stages=[rpc.rpc_sync(w, stage_count) for w in ("worker1", "worker2")])
+        with torch.no_grad():
+            torch.testing.assert_close(keeper(torch.ones(2, 4)).local_value(), kept(torch.ones(2, 4)))
+        keeper.close()
+    """)
+    assert (v["interrupted"], v["held"], v["stages"]) == ("True", "True", "[1, 1]")
 
 
 def test_interpreter_exit_with_a_dead_worker_is_prompt():

@@ -45,6 +45,13 @@ def fail_skip_arrivals(message: str | None) -> None:
     server.arrival = dependency.arrival if message is None else failing  # type: ignore[assignment]
 
 
+def stage_count() -> int:
+    """On a stage worker: how many stages, of any pipe, it holds."""
+    from rrefpipe import server
+
+    return len(server._servers)
+
+
 def stage_gradients(pipe, ctx) -> dict[str, torch.Tensor]:
     """Runs on each stage's worker (inside the context); only the test suite needs this."""
     driver = pipe._driver
