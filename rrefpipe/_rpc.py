@@ -108,7 +108,7 @@ def retain_context(context_id: int) -> None:
     ``e != ESRCH || !robust``), or failed the next, healthy backward, whose context had taken the
     memory. Every such RPC ends within the RPC timeout (with none set, the context stays for good),
     unless a stage's backward goes on for longer than that after the failure and sends then. The
-    context keeps its gradients meanwhile. A context this process no longer has is left alone.
+    context keeps its gradients and graph meanwhile. A context this process no longer has is left alone.
     """
     try:
         context = dist_autograd._retrieve_context(context_id)

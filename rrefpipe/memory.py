@@ -29,6 +29,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
+from . import _rpc
 from .balance.profile import storage_bytes, storage_key
 
 __all__ = ["MemoryReport", "start_tracking", "stop_tracking", "local_report", "track_workers", "worker_reports",
@@ -202,7 +203,7 @@ def _cuda() -> tuple[int | None, int | None]:
 
 def local_report(reset: bool = False) -> MemoryReport:
     """This process's memory; ``reset`` restarts the peaks of kept bytes (and CUDA's) from now."""
-    name = rpc.get_worker_info().name if rpc.is_available() and _rpc_initialized() else "this process"
+    name = rpc.get_worker_info().name if _rpc.is_initialized() else "this process"
     saved_peak = saved_now = None
     if _tracker is not None:
         with _tracker.lock:
@@ -216,22 +217,12 @@ def local_report(reset: bool = False) -> MemoryReport:
     return MemoryReport(name, _peak_rss(), saved_peak, saved_now, allocated, reserved)
 
 
-def _rpc_initialized() -> bool:
-    from . import _rpc
-
-    return _rpc.is_initialized()
-
-
 def track_workers(workers: list[str]) -> None:
     """Start tracking on each named worker (call before training)."""
-    from . import _rpc
-
     for future in [rpc.rpc_async(w, start_tracking) for w in workers]:
         _rpc.wait(future)
 
 
 def worker_reports(workers: list[str], reset: bool = False) -> list[MemoryReport]:
     """Each named worker's :func:`local_report`, in order."""
-    from . import _rpc
-
     return [_rpc.wait(future) for future in [rpc.rpc_async(w, local_report, args=(reset,)) for w in workers]]
