@@ -525,10 +525,11 @@ class AwaitsFiles(nn.Module):
 
 
 # -- Ctrl-C while a step is held ----------------------------------------------------------------------
-class InterruptDriverAndHold(InterruptDriver):
-    """Sends SIGINT to the process that started its worker in its first forward there, then holds the
-    step until that process creates ``folder/released`` (30 s at most), and then leaves ``folder/left``:
-    a driver whose wait Ctrl-C interrupts sees KeyboardInterrupt while the step is held (no file yet)."""
+class _HoldsDriver(InterruptDriver):
+    """Where a subclass says, the first time on a worker: sends SIGINT to the process that started the
+    worker, then holds until that process creates ``folder/released`` (30 s at most), and then leaves
+    ``folder/left``: a driver whose wait Ctrl-C interrupts sees KeyboardInterrupt while it is held (no
+    file yet). Its forward does nothing else."""
 
     def __init__(self, folder: str) -> None:
         super().__init__()
@@ -542,26 +543,27 @@ class InterruptDriverAndHold(InterruptDriver):
             (Path(self.folder) / "left").touch()
 
     def forward(self, x: Tensor) -> Tensor:
-        self.interrupt_and_hold()
         return x * 1
 
 
-class InterruptDriverInStateDict(InterruptDriverAndHold):
-    """As :class:`InterruptDriverAndHold`, in its first ``state_dict()`` on a worker (a control call)."""
+class InterruptDriverAndHold(_HoldsDriver):
+    """Interrupts the driver and holds the step in its first forward on a worker."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * 1
+        self.interrupt_and_hold()
+        return super().forward(x)
+
+
+class InterruptDriverInStateDict(_HoldsDriver):
+    """Interrupts the driver and holds the call in its first ``state_dict()`` on a worker (a control call)."""
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         self.interrupt_and_hold()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
 
-class InterruptDriverWhenBuilt(InterruptDriverAndHold):
-    """As :class:`InterruptDriverAndHold`, while its worker builds its stage (unpickles it)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * 1
+class InterruptDriverWhenBuilt(_HoldsDriver):
+    """Interrupts the driver and holds while its worker builds its stage (unpickles it)."""
 
     def __setstate__(self, state):  # type: ignore[no-untyped-def]
         super().__setstate__(state)
