@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import cast
 
@@ -11,8 +12,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
+from .errors import warn_user
 
-__all__ = ["DeferredBatchNorm", "plain_batch_norms", "running_stats_frozen"]
+__all__ = ["DeferredBatchNorm", "defer_batch_norms", "plain_batch_norms", "running_stats_frozen"]
 
 
 def plain_batch_norms(module: nn.Module) -> list[_BatchNorm]:
@@ -132,3 +134,15 @@ class DeferredBatchNorm(_BatchNorm):
         for name, child in module.named_children():
             module.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
         return module
+
+
+def defer_batch_norms(module: nn.Sequential, chunks: int) -> nn.Sequential:
+    """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied):
+    ``Pipe(deferred_batch_norm=True)``."""
+    if not any(isinstance(m, _BatchNorm) and m.track_running_stats for m in module.modules()):
+        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that tracks "
+                  "running statistics)")
+        return module
+    return nn.Sequential(OrderedDict(
+        (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()
+        if child is not None))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -21,9 +20,9 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, contexts, control, microbatch, server
+from . import _rpc, autocast, contexts, control, diagnosis, microbatch, server
 from .dependency import arrival, new_phony
-from .errors import UNREACHABLE, Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
+from .errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
 from .schedule import checkpoint_stop
 from .server import StageSpec
@@ -320,7 +319,7 @@ class RemoteDriver:
             retained = self._retain_context(context_id, by_pipe)
             try:
                 if isinstance(exc, RuntimeError):
-                    raise self._explain(exc, "backward", by_pipe) from exc
+                    raise diagnosis.explain(exc, "backward", self.pipe_id, self.workers, by_pipe) from exc
                 raise
             finally:
                 for call in retained:
@@ -342,63 +341,6 @@ class RemoteDriver:
                                                args=(control.abandon_backward, pipe_id, j, context_id, record.steps)))
         return calls
 
-    def _explain(self, exc: BaseException, phase: str,
-                 by_pipe: dict[str, contexts.Forwards] | None = None) -> BaseException:
-        """Turn distributed autograd's "Error on Node N: ..." (or a bare transport error) into a
-        StageError naming the stage.
-
-        A transport error names the node that *saw* a peer vanish (the stage sending a gradient to a
-        dead worker), so the stage workers are probed first and a dead one is named instead.
-        ``by_pipe``: the forwards of every pipe in the failed backward's context, whose losses may all be
-        in this backward: a node is looked up among this pipe's stages first, then theirs."""
-        by_pipe = by_pipe or {}
-        mine = by_pipe.get(self.pipe_id) or contexts.Forwards()
-        text = str(exc)
-        matches = list(_NODE.finditer(text))
-        names = _rpc.worker_names()
-        message = text[matches[-1].end():] if matches else text
-        if not matches or is_transport_error(message):
-            dead = self._unresponsive(UNREACHABLE, phase, message)
-            if dead is not None:
-                return dead
-            if timed_out(message):  # a backward hung in a layer leaves its worker's RPC thread free
-                hung = self._longest_backward(message)
-                if hung is not None:
-                    return hung
-                if mine.remote:
-                    return RuntimeError(
-                        f"{text}\n(no stage is hung or unreachable, and {len(mine.steps)} forward(s) of this pipe "
-                        f"ran in this context with their outputs left on the last worker (remote_output=True): "
-                        "distributed autograd waits until the RPC timeout for the gradient of every forward in "
-                        "the context, so each one's fetched output must be part of the loss. Run forwards you "
-                        "do not backpropagate under torch.no_grad() or outside the context)")
-        pipes = [(self.pipe_id, self.workers, mine.steps)] + [
-            (pipe_id, record.workers, record.steps) for pipe_id, record in by_pipe.items() if pipe_id != self.pipe_id]
-        for match in reversed(matches):
-            node = int(match.group(1))
-            worker = names[node] if node < len(names) else ""
-            stages = [(pipe_id, workers.index(worker), steps) for pipe_id, workers, steps in pipes if worker in workers]
-            if not stages:
-                continue
-            for pipe_id, j, steps in stages:
-                try:
-                    recorded = rpc.rpc_sync(worker, control.backward_failure, args=(pipe_id, j, steps), timeout=5)
-                except Exception:
-                    recorded = None
-                if recorded is not None:
-                    return recorded.to_exception()
-            j = stages[0][1]
-            where = _STAGE_MESSAGE.match(message)
-            if where:
-                return Failure(j, worker, int(where["i"]) if where["i"] else None, where["phase"],
-                               where["type"], where["message"], text).to_exception()
-            if len(stages) > 1:  # a layer's own error in backward is not recorded: its text names no stage
-                held = ", ".join(f"stage {index} of pipe {pipe_id}" for pipe_id, index, _ in stages)
-                message += f" (worker {worker!r} holds {held} in this backward; which one raised is not known)"
-            return Failure(j, worker, None, phase, "Error", message, text,
-                           transport=is_transport_error(message)).to_exception()
-        return exc
-
     def _run(self, meta: StepMeta, value: TensorOrTensors, collector: _Collector) -> None:
         """Send the whole input to the first stage in one message (it splits it into micro-batches)
         and wait until the step's output is here, or the first stage reports the step over (failed, or
@@ -414,8 +356,8 @@ class RemoteDriver:
             report = rpc.rpc_async(first, server.receive_batch, timeout=self.rpc_timeout,
                                    args=(self.pipe_id, 0, meta, microbatch.apply(_send_copy, value), phony))
         except Exception as exc:
-            raise _first_cause([Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward",
-                                                transport=True)]) from None
+            raise diagnosis.first_cause([Failure.capture(exc, stage=0, worker=first, microbatch=None,
+                                                         phase="forward", transport=True)]) from None
         # Wait on an Event, which Ctrl-C interrupts, not in the future's own wait, which it does not.
         report.add_done_callback(lambda _: collector.done.set())
         collector.done.wait()
@@ -426,47 +368,15 @@ class RemoteDriver:
         except Exception as exc:
             failures = [Failure.capture(exc, stage=0, worker=first, microbatch=None, phase="forward", transport=True)]
         if failures:
-            cause = _first_cause(failures)
+            cause = diagnosis.first_cause(failures)
             if isinstance(cause, WorkerError) and timed_out(cause.error_message):
                 # Every stage before a hung one times out waiting for the next: find the one that is busy.
-                busy = self._unresponsive("did not answer within 2 s, hung or still busy in its layers")
+                busy = diagnosis.unresponsive(self.workers,
+                                              "did not answer within 2 s, hung or still busy in its layers")
                 if busy is not None:
                     raise busy from cause
             raise cause
 
-    def _longest_backward(self, cause: str) -> StageError | None:
-        """A WorkerError for the stage whose unfinished backward has run longest, or None."""
-        running: list[tuple[float, int]] = []
-        for j, worker in enumerate(self.workers):
-            try:
-                age = rpc.rpc_sync(worker, control.backward_running, args=(self.pipe_id, j), timeout=2)
-            except Exception:
-                continue
-            if age is not None:
-                running.append((age, j))
-        if not running:
-            return None
-        age, j = max(running)
-        return Failure(j, self.workers[j], None, "backward", "WorkerError",
-                       f"its backward of a micro-batch has run for {age:.1f} s, past the RPC timeout: a layer's "
-                       f"backward hung or is very slow ({cause})", cause, transport=True).to_exception()
-
-    def _unresponsive(self, why: str, phase: str = "forward", cause: str = "") -> StageError | None:
-        """A WorkerError for the first stage worker that does not answer a ping within 2 s (dead, or
-        its one RPC thread stuck in a stage's layers), or None when all answer."""
-        for j, worker in enumerate(self.workers):
-            try:
-                rpc.rpc_sync(worker, server._noop, timeout=2)
-            except Exception as exc:
-                detail = cause or str(exc)
-                return Failure(j, worker, None, phase, "WorkerError", f"{why} ({detail})", detail,
-                               transport=True).to_exception()
-        return None
-
-
-_NODE = re.compile(r"Error on Node (\d+): ")
-_STAGE_MESSAGE = re.compile(r"stage \d+ on worker '[^']*'(?:, micro-batch (?P<i>\d+))? failed in (?P<phase>\w+): "
-                            r"(?P<type>\w+): (?P<message>.*)", re.DOTALL)
 
 
 def _check_losses(losses: list[Tensor]) -> None:
@@ -518,10 +428,3 @@ def _pickled(spec: StageSpec, workers: Sequence[str]) -> bytes:
     except Exception as exc:  # a lock, an open file, another Pipe held by a layer
         raise TypeError(f"stage {spec.index} cannot be sent to worker {workers[spec.index]!r}: its layers do not "
                         f"pickle ({type(exc).__name__}: {exc}); build it there with Pipe.from_factories") from exc
-
-
-def _first_cause(failures: list[Failure]) -> StageError:
-    """The failure that caused the others: a real error before a cancellation; among those, a stage's
-    own error before a transport failure, then the earliest micro-batch."""
-    real = [f for f in failures if not f.cancelled] or failures
-    return min(real, key=lambda f: (f.transport, f.microbatch or 0)).to_exception()

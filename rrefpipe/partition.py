@@ -1,8 +1,9 @@
-"""Checking a Pipe's arguments and cutting an ``nn.Sequential`` into stages (pure, no RPC)."""
+"""Checking a Pipe's arguments and cutting an ``nn.Sequential``, and its state dict, into stages (pure, no RPC)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from .schedule import CHECKPOINT_MODES
 
 __all__ = ["verify_module", "check_chunks", "check_checkpoint", "check_balance", "uniform_balance",
-           "balance_by_placement", "split_module", "module_device", "check_unshared"]
+           "balance_by_placement", "split_module", "split_state_dict", "module_device", "check_unshared"]
 
 
 def verify_module(module: object) -> None:
@@ -113,3 +114,30 @@ def check_unshared(stages: Sequence[nn.Module]) -> None:
                                  "separate workers cannot share parameters (tied weights); put the layers that "
                                  "share it in one stage (balance=...)")
             owners.setdefault(id(param), (j, name))
+
+
+def split_state_dict(state_dict: Mapping[str, Any], prefix: str, owners: Sequence[Sequence[str]],
+                     local_metadata: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """A state dict cut by stage, ``owners[j]`` naming the layers of stage ``j``: each stage's entries
+    under ``prefix`` (keys without it), each stage's metadata, and the keys under ``prefix`` that no
+    layer owns.
+
+    The metadata carries each layer's version, by which a layer reads old checkpoints (BatchNorm before
+    version 2 had no ``num_batches_tracked``). ``nn.Module`` hands it only to the module it loads: a pipe
+    inside a parent gets a plain dict, and its layers load as from one (no versions)."""
+    owner = {layer: j for j, layers in enumerate(owners) for layer in layers}
+    parts: list[dict[str, Any]] = [{} for _ in owners]
+    unexpected: list[str] = []
+    for key, value in state_dict.items():
+        if key.startswith(prefix):
+            j = owner.get(key[len(prefix):].split(".", 1)[0])
+            if j is None:
+                unexpected.append(key)
+            else:
+                parts[j][key[len(prefix):]] = value
+    metadata: list[dict[str, Any]] = [{"": local_metadata} for _ in owners]
+    for key, value in getattr(state_dict, "_metadata", {}).items():
+        layer = key[len(prefix):].split(".", 1)[0]
+        if key.startswith(prefix) and layer in owner:
+            metadata[owner[layer]][key[len(prefix):]] = value
+    return parts, metadata, unexpected

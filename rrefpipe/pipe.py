@@ -1,13 +1,9 @@
-"""The public ``Pipe``: argument checks, stage placement, and the user-facing methods."""
+"""The public ``Pipe``: argument checks and the user-facing methods (where stages go: :mod:`rrefpipe.placement`)."""
 from __future__ import annotations
 
-import copy
-import importlib
 import numbers
-import sys
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -17,19 +13,17 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _rpc, clip
+from . import _rpc, clip, placement
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import defer_batch_norms
 from .driver import RemoteDriver
-from .errors import warn_user
 from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
-                        check_unshared, split_module, uniform_balance, verify_module)
-from .seeding import driver_seed, stage_seed
+                        check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
+from .seeding import driver_seed
 from .server import StageSpec
 from .skip.skippable import verify_skippables
 from .stage import StageInfo
@@ -38,8 +32,6 @@ from .trace import Event
 __all__ = ["Pipe"]
 
 _releasing = threading.Lock()
-
-StageFactory = Callable[[], nn.Module]
 
 
 class Pipe(nn.Module):
@@ -114,16 +106,16 @@ class Pipe(nn.Module):
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         if deferred_batch_norm:
-            module = _deferred(module, self.chunks)
+            module = defer_batch_norms(module, self.chunks)
         if isinstance(balance, str):  # 'time' | 'size': profile now, one stage per device (or worker)
             balance = balance_for_pipe(balance, module, sample, chunks=self.chunks, workers=workers, devices=devices)
         if balance is not None:
             balance = check_balance(balance, len(module))
-            stage_devices = _devices(devices, len(balance)) or [
+            stage_devices = placement.stage_devices(devices, len(balance)) or [
                 module_device(m, f"stage {j}") or torch.device("cpu")
                 for j, m in enumerate(split_module(module, balance))]
         elif devices is not None:
-            stage_devices = _devices(devices, None) or []
+            stage_devices = placement.stage_devices(devices, None) or []
             balance = uniform_balance(len(module), len(stage_devices))
         else:
             balance, stage_devices = balance_by_placement(module)
@@ -143,7 +135,7 @@ class Pipe(nn.Module):
         if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
             if workers:
                 raise ValueError(f"workers {list(workers)} named, but this RPC group has only this process")
-            _check_local_devices(stage_devices)
+            placement.check_local_devices(stage_devices)
             for name, layer in module.named_children():  # so that state dicts, a parent's and DDP's
                 if hasattr(self, name) and name not in self._modules:  # included, keep the plain keys
                     raise ValueError(f"layer name {name!r} is taken by an attribute of Pipe; rename the layer")
@@ -153,13 +145,13 @@ class Pipe(nn.Module):
         else:
             check_unshared(stages)
             seed = driver_seed()
-            specs = [_spec(j, _on_cpu(stage), None, stage_devices, seed) for j, stage in enumerate(stages)]
+            specs = [placement.stage_spec(j, stage, None, stage_devices, seed) for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
 
     @classmethod
     def from_factories(
         cls,
-        factories: Sequence[StageFactory],
+        factories: Sequence[placement.StageFactory],
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
@@ -187,9 +179,9 @@ class Pipe(nn.Module):
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
         pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
-        stage_devices = _devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
+        stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         seed = driver_seed()
-        specs = [_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
+        specs = [placement.stage_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe
@@ -210,11 +202,11 @@ class Pipe(nn.Module):
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
         n = len(specs)
-        held = _close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
+        held = placement.close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
         try:
-            workers = self._stage_workers(n, workers, devices, held)
+            workers, self._local_workers = placement.stage_workers(n, workers, devices, held, self.rpc_timeout)
         finally:
-            _release(held)
+            placement.release(held)
         if len(workers) != n:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
         for spec in specs:
@@ -226,40 +218,9 @@ class Pipe(nn.Module):
         except BaseException:
             self._stop_local_workers()
             raise
-        self._finalizer = weakref.finalize(self, _abandoned.append, (driver, self._local_workers))
+        self._finalizer = weakref.finalize(self, placement.abandoned.append, (driver, self._local_workers))
         self._finalizer.atexit = False  # at exit the workers rrefpipe started are stopped anyway
         return driver
-
-    def _stage_workers(self, n: int, workers: Sequence[str] | None, devices: Sequence[torch.device],
-                       held: list[Any]) -> Sequence[str]:
-        """The workers of ``n`` stages: those named, else the RPC group's others, else embedded local ones
-        (shared with other pipes; ``held`` are dropped pipes' holds on them, given up if they do not fit)."""
-        launch = _worker_module("launch")
-        if workers is None and (launch.embedded_running() or not _rpc.is_initialized()):
-            _check_local_devices(devices)
-            cuda = any(d.type == "cuda" for d in devices)
-            wanted = {"devices": [str(d) for d in devices] if cuda else None, "rpc_timeout": self.rpc_timeout}
-            try:
-                self._local_workers = launch.acquire_embedded(n, **wanted)
-            except ValueError:
-                if not held:
-                    raise
-                _release(held)  # only dropped pipes held workers that do not fit this one: start afresh
-                self._local_workers = launch.acquire_embedded(n, **wanted)
-            return list(self._local_workers.names[:n])
-        if not _rpc.is_initialized():
-            raise ValueError(f"workers {list(workers or [])} named, but RPC is not initialised: call rpc.init_rpc "
-                             "(or launch with torchrun) first, or leave workers out to start local ones")
-        known = [w for w in _rpc.worker_names() if w != _rpc.self_name()]
-        if workers is None:
-            if len(known) < n:
-                raise ValueError(f"{n} stages need {n} workers, but the RPC group has {len(known)} besides this "
-                                 f"process: {known}")
-            return known[:n]
-        unknown = [w for w in workers if w not in known]
-        if unknown:
-            raise ValueError(f"unknown worker names {unknown}; the RPC group has {known}")
-        return workers
 
     # -- running -----------------------------------------------------------------------------------
     def forward(self, input: TensorOrTensors, *more_inputs: Any) -> rpc.RRef:  # noqa: A002 (the documented name)
@@ -281,8 +242,8 @@ class Pipe(nn.Module):
             raise TypeError(f"Pipe takes one input, a tensor or a tuple of tensors, and got {1 + len(more_inputs)}: "
                             "PyTorch 2.x's forward(*inputs) is not carried over; pass one tuple, pipe((a, b)), which "
                             "reaches the first layer as one argument (PyTorch 1.8's form)")
-        if _abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
-            _release(_close_abandoned())
+        if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
+            placement.release(placement.close_abandoned())
         return self._driver.forward(input, training=self.training)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
@@ -405,23 +366,9 @@ class Pipe(nn.Module):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                           error_msgs)
             return
-        owner = {layer.split(":")[0]: j for j, info in enumerate(self.stages) for layer in info.layers}
-        parts: list[dict[str, Tensor]] = [{} for _ in self.stages]
-        for key, value in state_dict.items():
-            if key.startswith(prefix):
-                j = owner.get(key[len(prefix):].split(".", 1)[0])
-                if j is None:
-                    unexpected_keys.append(key)
-                else:
-                    parts[j][key[len(prefix):]] = value
-        # Each layer's version, from the checkpoint's metadata: a layer reads old checkpoints by it (BatchNorm
-        # before version 2 had no num_batches_tracked). nn.Module hands the metadata only to the module it
-        # loads: a pipe inside a parent gets a plain dict, and its layers load as from one (no versions).
-        metadata: list[dict[str, Any]] = [{"": local_metadata} for _ in self.stages]
-        for key, value in getattr(state_dict, "_metadata", {}).items():
-            layer = key[len(prefix):].split(".", 1)[0]
-            if key.startswith(prefix) and layer in owner:
-                metadata[owner[layer]][key[len(prefix):]] = value
+        owners = [[layer.split(":")[0] for layer in info.layers] for info in self.stages]
+        parts, metadata, unexpected_here = split_state_dict(state_dict, prefix, owners, local_metadata)
+        unexpected_keys.extend(unexpected_here)
         for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts, metadata)):
             missing_keys.extend(prefix + key for key in missing)
             unexpected_keys.extend(prefix + key for key in unexpected)
@@ -440,13 +387,13 @@ class Pipe(nn.Module):
         if driver is not None:
             driver.close()
         self._stop_local_workers()
-        _release(_close_abandoned())
+        placement.release(placement.close_abandoned())
 
     def _stop_local_workers(self) -> None:
         with _releasing:  # two threads closing one pipe release its share of the workers once
             workers, self._local_workers = self._local_workers, None
         if workers is not None:
-            _worker_module("launch").release_embedded(workers)
+            placement.worker_module("launch").release_embedded(workers)
 
     def __enter__(self) -> Pipe:
         return self
@@ -542,94 +489,3 @@ class Pipe(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))
-
-
-def _deferred(module: nn.Sequential, chunks: int) -> nn.Sequential:
-    """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied)."""
-    if not any(isinstance(m, _BatchNorm) and m.track_running_stats for m in module.modules()):
-        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that tracks "
-                  "running statistics)")
-        return module
-    converted = nn.Sequential(OrderedDict(
-        (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()
-        if child is not None))
-    return converted
-
-
-def _worker_module(name: str) -> Any:
-    """``workers.<name>``, from rrefpipe's stage-worker package (imported when first needed). A module
-    of the user's named ``workers`` earlier on ``sys.path`` (a workers.py beside the script) hides it:
-    say so, instead of "'workers' is not a package"."""
-    try:
-        return importlib.import_module(f"workers.{name}")
-    except ImportError as exc:
-        hidden = sys.modules.get("workers")
-        if hidden is not None and not hasattr(hidden, "__path__"):
-            raise ImportError(f"rrefpipe's stage-worker package 'workers' is hidden by {hidden.__file__}, a module of "
-                              "the same name earlier on sys.path: rename that module") from exc
-        raise
-
-
-def _devices(devices: Sequence[str | torch.device] | None, count: int | None) -> list[torch.device] | None:
-    """The devices as stages and device maps compare them ("cpu:0" is "cpu", a bare "cuda" "cuda:0")."""
-    device_name = _worker_module("options").device_name
-
-    if devices is None:
-        return None
-    if len(devices) == 0:
-        raise ValueError("devices is empty: name a device for each stage, or leave devices out")
-    out = []
-    for d in devices:
-        try:
-            out.append(torch.device(device_name(d)))
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"invalid device {d!r}: {exc}") from None
-    if count is not None and len(out) != count:
-        raise ValueError(f"{len(out)} devices given for {count} stages")
-    return out
-
-
-def _check_local_devices(devices: Sequence[torch.device]) -> None:
-    """Stages on this host (in-process or local workers): their devices must exist here. Remote
-    workers check their own (the driver may have no GPU)."""
-    for d in devices:
-        if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
-            raise ValueError(f"device {d} does not exist on this host ({torch.cuda.device_count()} CUDA devices)")
-
-
-def _on_cpu(stage: nn.Sequential) -> nn.Sequential:
-    """A copy that pickles without CUDA tensors (only when the stage is not on the CPU already)."""
-    device = module_device(stage, "stage")
-    return stage if device is None or device.type == "cpu" else copy.deepcopy(stage).cpu()
-
-
-def _spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
-          devices: Sequence[torch.device], seed: int) -> StageSpec:
-    return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
-                     next_worker=None, stage_devices=[str(d) for d in devices], seed=stage_seed(seed, j))
-
-
-#: Pipes garbage-collected without ``close()``: their driver and embedded workers (or None). The
-#: finalizer runs inside garbage collection, on whichever thread set it off, possibly one holding a lock
-#: that an RPC needs; so it only queues them here, and the next forward, pipe built or close() closes them.
-_abandoned: list[tuple[RemoteDriver, Any]] = []
-
-
-def _close_abandoned() -> list[Any]:
-    """Drop the stages of pipes collected without ``close()``; returns the embedded workers they held,
-    for :func:`_release`."""
-    held: list[Any] = []
-    while True:
-        try:
-            driver, local_workers = _abandoned.pop()
-        except IndexError:  # empty (another thread may have taken the last one)
-            return held
-        driver.close()
-        if local_workers is not None:
-            held.append(local_workers)
-
-
-def _release(held: list[Any]) -> None:
-    """Give up holds on the embedded workers (the last one out stops them)."""
-    while held:
-        _worker_module("launch").release_embedded(held.pop())

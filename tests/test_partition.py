@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from rrefpipe.partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, split_module,
-                                uniform_balance, verify_module)
+                                split_state_dict, uniform_balance, verify_module)
 
 
 def test_verify_module_rejects_non_sequential_empty_and_duplicates():
@@ -58,3 +58,21 @@ def test_balance_by_placement_groups_consecutive_devices():
     model = nn.Sequential(nn.ReLU(), nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2).to(torch.float64))
     balance, devices = balance_by_placement(model)
     assert balance == [4] and devices == [torch.device("cpu")]
+
+
+def test_a_state_dict_is_cut_by_the_layers_each_stage_owns():
+    """Keys under the prefix go to the stage owning their layer, without the prefix; keys of no layer come
+    back as unexpected (with the prefix, as nn.Module reports them); keys outside the prefix are not the
+    pipe's. Each stage gets its layers' metadata (their versions) and the pipe's own under ''."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    state = nn.Sequential(model).state_dict()  # the pipe as child '0' of a parent: prefix '0.'
+    state["0.7.weight"] = torch.zeros(1)
+    state["other.weight"] = torch.zeros(1)
+    parts, metadata, unexpected = split_state_dict(state, "0.", [["0", "1"], ["2"]], {"version": 9})
+    assert sorted(parts[0]) == sorted(k for k in model.state_dict() if k.split(".")[0] in ("0", "1"))
+    assert sorted(parts[1]) == ["2.bias", "2.weight"]
+    torch.testing.assert_close(parts[1]["2.weight"], model[2].weight)
+    assert unexpected == ["0.7.weight"]
+    assert metadata[0][""] == metadata[1][""] == {"version": 9}
+    assert metadata[0]["1"]["version"] == nn.BatchNorm1d._version
+    assert set(metadata[0]) == {"", "0", "1"} and set(metadata[1]) == {"", "2"}
