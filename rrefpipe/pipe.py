@@ -19,6 +19,7 @@ from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms
 from .driver import RemoteDriver
+from .errors import warn_user
 from .local import LocalDriver
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
@@ -311,6 +312,35 @@ class Pipe(nn.Module):
                             "and clip their gradients with pipe.clip_grad_norm_(context_id, max_norm)")
         return super().named_parameters(*args, **kwargs)
 
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
+        """The layers' buffers in a world of one. Stages on workers keep theirs there: iterating raises, as
+        for parameters, instead of finding none (``pipe.state_dict()`` has copies of them)."""
+        self._refuse_remote_layers("buffers", "pipe.state_dict() has CPU copies of them")
+        return super().named_buffers(*args, **kwargs)
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """The pipe and its layers in a world of one. Asked of a pipe whose stages are on workers
+        (``pipe.modules()``), it raises instead of finding no layer, so that a loop over them (freezing
+        BatchNorm, say) cannot do nothing without a word. A parent module walking its own modules passes
+        over the remote layers, as it passes over their parameters."""
+        if memo is None:
+            self._refuse_remote_layers("layers", "pipe.stages lists them by stage; change them before wrapping, "
+                                       "or in the factories of Pipe.from_factories")
+        return super().named_modules(memo, prefix, remove_duplicate)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Pipe:
+        """In a world of one, ``nn.Module.requires_grad_``. Stages on workers keep their parameters there."""
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError("this Pipe's parameters live on its stage workers, out of reach of requires_grad_: "
+                            "freeze the layers before wrapping them (model.requires_grad_(False)), or run a pipe "
+                            "you do not train under torch.no_grad()")
+        return super().requires_grad_(requires_grad)
+
+    def _refuse_remote_layers(self, what: str, instead: str) -> None:
+        if isinstance(self._driver, RemoteDriver):
+            raise TypeError(f"this Pipe's {what} live on its stage workers, so it has none here: {instead}")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Stages on workers accumulate gradients in each ``dist_autograd`` context, never in
         ``.grad``: nothing to zero there. In a world of one, ``nn.Module.zero_grad``."""
@@ -355,6 +385,9 @@ class Pipe(nn.Module):
     # which nn.Module's state_dict/load_state_dict call here and in any module that contains this one.
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         if isinstance(self._driver, RemoteDriver):  # CPU copies of the workers' tensors
+            if keep_vars:
+                warn_user("state_dict(keep_vars=True) on a Pipe whose stages are on workers: the values are CPU "
+                          "copies of the workers' tensors, not their Parameters")
             destination.update((prefix + key, value) for key, value in self._driver.state_dict().items())
         else:
             super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -252,6 +252,7 @@ def test_pytorch_18_style_world_size_one_runs_stages_in_process():
         ref = copy.deepcopy(model)
         pipe = Pipe(model, chunks=8, balance=[2, 1], checkpoint="always")
         assert [s.worker for s in pipe.stages] == ["solo", "solo"]
+        assert list(pipe.modules())[1:] == list(model) and pipe.requires_grad_(True) is pipe
         x = torch.rand(16, 16)
         out = pipe(x).local_value()
         out.sum().backward()                      # plain autograd, no context needed

@@ -246,6 +246,16 @@ def test_dtype_conversions_reach_the_stages_and_device_moves_are_refused(cluster
                             lambda: pipe.to(torch.int64)):
             with pytest.raises(TypeError):
                 unreachable()
+        # Walks over the layers that would find none here raise too, rather than do nothing (a loop freezing
+        # BatchNorm layers, say); a parent's own walk passes over them, as over their parameters.
+        for walk, what in ((pipe.modules, "layers"), (pipe.named_modules, "layers"), (pipe.buffers, "buffers"),
+                           (pipe.named_buffers, "buffers"), (lambda: [pipe.requires_grad_(False)], "requires_grad_")):
+            with pytest.raises(TypeError, match=what):
+                list(walk())
+        assert list(nn.Sequential(pipe).modules())[1:] == [pipe]
+        with pytest.warns(UserWarning, match="keep_vars=True.*CPU copies"):
+            kept = pipe.state_dict(keep_vars=True)
+        assert kept.keys() == plain.state_dict().keys()
 
 
 def test_a_memory_format_reaches_the_stages_in_place(cluster):
