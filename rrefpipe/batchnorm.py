@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
-from .errors import warn_user
 
 __all__ = ["DeferredBatchNorm", "defer_batch_norms", "plain_batch_norms", "running_stats_frozen"]
 
@@ -137,11 +136,9 @@ class DeferredBatchNorm(_BatchNorm):
 
 
 def defer_batch_norms(module: nn.Sequential, chunks: int) -> nn.Sequential:
-    """The module with every BatchNorm replaced by DeferredBatchNorm (the layers are shared, not copied):
-    ``Pipe(deferred_batch_norm=True)``."""
-    if not any(isinstance(m, _BatchNorm) and m.track_running_stats for m in module.modules()):
-        warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that tracks "
-                  "running statistics)")
+    """The module with every BatchNorm that tracks running statistics replaced by DeferredBatchNorm
+    (the other layers are shared, not copied); the module itself where it has none."""
+    if not plain_batch_norms(module):
         return module
     return nn.Sequential(OrderedDict(
         (name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)) for name, child in module._modules.items()

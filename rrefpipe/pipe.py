@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from . import _rpc, clip, placement
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
-from .batchnorm import defer_batch_norms
+from .batchnorm import defer_batch_norms, plain_batch_norms
 from .driver import RemoteDriver
 from .errors import warn_user
 from .local import LocalDriver
@@ -107,6 +107,9 @@ class Pipe(nn.Module):
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
         if deferred_batch_norm:
+            if not plain_batch_norms(module):
+                warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that "
+                          "tracks running statistics)")
             module = defer_batch_norms(module, self.chunks)
         if isinstance(balance, str):  # 'time' | 'size': profile now, one stage per device (or worker)
             balance = balance_for_pipe(balance, module, sample, chunks=self.chunks, workers=workers, devices=devices)
@@ -155,6 +158,7 @@ class Pipe(nn.Module):
         factories: Sequence[placement.StageFactory],
         chunks: int = 1,
         checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
         *,
         workers: Sequence[str] | None = None,
         devices: Sequence[str | torch.device] | None = None,
@@ -167,7 +171,8 @@ class Pipe(nn.Module):
         The weights never exist on the driver. Factories travel by value (cloudpickle), so lambdas and
         functions of your script work; what they import must be importable on the workers. State-dict
         keys are those of the ``nn.Sequential`` that concatenates the stages' layers. ``devices``
-        defaults to the CPU for every stage; the other arguments are ``Pipe``'s.
+        defaults to the CPU for every stage; the other arguments are ``Pipe``'s (``deferred_batch_norm``
+        converts the BatchNorm layers of each stage on its worker, once its factory has built them).
 
         Raises:
             TypeError: ``factories`` is empty or holds something that is not callable; the stages' skip
@@ -183,6 +188,8 @@ class Pipe(nn.Module):
         stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         seed = driver_seed()
         specs = [placement.stage_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
+        for spec in specs:
+            spec.deferred_chunks = pipe.chunks if deferred_batch_norm else None
         pipe._driver = pipe._place(specs, workers, stage_devices)
         pipe.balance = [len(info.layers) for info in pipe._driver.infos]
         return pipe

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from . import checkpoint, microbatch
+from .batchnorm import defer_batch_norms
 from .dependency import arrival, hop
 from .errors import Failure
 from .microbatch import TensorOrTensors
@@ -55,6 +56,7 @@ class StageSpec:
     stage_devices: list[str]  # every stage's device: what a GPU stage sends to a CPU one crosses to the CPU
     seed: int  # the worker's random seed from the stage's creation on (``rrefpipe.seeding``)
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
+    deferred_chunks: int | None = None  # chunks: swap the factory's BatchNorms for DeferredBatchNorm
 
 
 def _built(spec: StageSpec) -> nn.Sequential:
@@ -63,7 +65,8 @@ def _built(spec: StageSpec) -> nn.Sequential:
     if not isinstance(module, nn.Module):
         raise TypeError(f"the factory of stage {spec.index} returned {type(module).__name__}, not an nn.Module")
     layers = list(module.children()) if isinstance(module, nn.Sequential) else [module]
-    return nn.Sequential(OrderedDict((str(spec.layer_offset + k), layer) for k, layer in enumerate(layers)))
+    built = nn.Sequential(OrderedDict((str(spec.layer_offset + k), layer) for k, layer in enumerate(layers)))
+    return built if spec.deferred_chunks is None else defer_batch_norms(built, spec.deferred_chunks)
 
 
 def _check_device(device: torch.device) -> None:

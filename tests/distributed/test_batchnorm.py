@@ -60,3 +60,28 @@ def test_plain_batch_norm_counts_each_micro_batch_once_when_recomputed(cluster, 
         state = pipe.state_dict()
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(state[key], value)
+
+
+def test_stages_built_by_factories_defer_their_batch_norms_on_the_workers(cluster):
+    """Pipe.from_factories(..., deferred_batch_norm=True): each worker converts the BatchNorm its factory
+    built, and the running statistics are those of plain BatchNorm over whole mini-batches."""
+    def first():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    def second():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+    plain = nn.Sequential(*first(), *second())
+    with Pipe.from_factories([first, second], chunks=4, deferred_batch_norm=True, workers=cluster.names[:2]) as pipe:
+        assert pipe.stages[0].layers[1].split(": ")[1] == "DeferredBatchNorm"
+        for step in range(2):
+            x = torch.randn(8, 3, 8, 8) * (1 + step)
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(x).local_value().sum())
+            plain(x)
+        state = pipe.state_dict()
+    assert state["1.num_batches_tracked"].item() == 2
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m: f"{key}: {m}")
