@@ -7,7 +7,9 @@
 
 1. plain PyTorch in this process, 1 and 2 intra-op threads (measured before any worker starts);
 2. torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` (1F1B needs chunks >= stages),
-   one process per stage over gloo on 127.0.0.1 (``suite_pipelining``);
+   one process per stage over gloo on 127.0.0.1 (``suite_pipelining``); and GPipe again on a second
+   group of processes (``gpipe_control``), an A/A control: the two GPipe runs differ only by the
+   machine's noise, so their ratio shows how far apart two equal contestants land in this run;
 3. rrefpipe on ``workers.LocalWorkers`` (``suite_rrefpipe``), checkpoint 'never', 'except_last',
    'always', the driver also at 1 thread;
 4. the ideal: GPipe efficiency m/(m+n-1) applied to the slowest stage's forward+backward, measured in
@@ -32,6 +34,7 @@ everything on a 2-core machine. No number here is asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -83,6 +86,17 @@ def add_inflation(rec: dict[str, Any], costs_mb: list[dict[str, float]], m: int,
                             for b, c in zip(rec["bwd_ms"], costs_mb)]
 
 
+CONTROL = "gpipe_control"  # GPipe on a second group of processes: the run's A/A control
+#: Every contestant, in the order of a round (reversed every other round). The control runs as far from
+#: GPipe as rrefpipe 'never' does, so drift within a round separates it from GPipe as much.
+CONTESTANTS = ("gpipe", "1f1b", "never", CONTROL, "except_last", "always")
+
+
+def schedule_of(key: str) -> str:
+    """The pipelining schedule a contestant runs (the control runs GPipe's)."""
+    return "gpipe" if key == CONTROL else key
+
+
 def pipelining_row(group: PipeliningGroup, spec: ModelSpec, schedule: str, m: int, n: int,
                    args: argparse.Namespace) -> dict[str, Any]:
     if schedule == "1f1b" and m < n:
@@ -96,14 +110,15 @@ def pipelining_row(group: PipeliningGroup, spec: ModelSpec, schedule: str, m: in
     return {"step": step, "samples_per_s": spec.batch / (step["median_ms"] / 1e3), "cpu": cpu}
 
 
-def one_chunk_count(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int, m: int, k: int,
+def one_chunk_count(names: list[str], groups: dict[str, PipeliningGroup], spec: ModelSpec, n: int, m: int, k: int,
                     ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """All contestants at ``m`` micro-batches, back to back, ``--rounds`` times (the order reversed
     every other round and on odd ``k``); each contestant's timed steps of all rounds are pooled."""
     rounds: dict[str, list[dict[str, Any]]] = {}
+    chosen = list(args.contestants)
     for r in range(args.rounds):
-        order = [*SCHEDULES, *MODES] if (k + r) % 2 == 0 else [*SCHEDULES, *MODES][::-1]
-        for key, row in one_round(names, group, spec, n, m, order, ctx, args).items():
+        order = chosen if (k + r) % 2 == 0 else chosen[::-1]
+        for key, row in one_round(names, groups, spec, n, m, order, ctx, args).items():
             rounds.setdefault(key, []).append(row)
     contestants = {key: pooled(rows, spec.batch) for key, rows in rounds.items()}
     for key, row in contestants.items():
@@ -113,18 +128,18 @@ def one_chunk_count(names: list[str], group: PipeliningGroup, spec: ModelSpec, n
             add_inflation(row["record"], ctx["per_mb"][m], m, CHECKPOINTED[key](m))
     out: dict[str, Any] = {"chunks": m, "ideal_step_ms": ideal_step_ms(ctx["full"], m, 0, False),  # no recompute
                            "ideal_mb_step_ms": ideal_step_ms(ctx["per_mb"][m], m, 0, True),
-                           "contestants": {key: contestants[key] for key in [*SCHEDULES, *MODES]}}
+                           "contestants": {key: contestants[key] for key in chosen}}
     out["ideal_samples_per_s"] = spec.batch / (out["ideal_step_ms"] / 1e3)
     out["ideal_mb_samples_per_s"] = spec.batch / (out["ideal_mb_step_ms"] / 1e3)
     return out
 
 
-def one_round(names: list[str], group: PipeliningGroup, spec: ModelSpec, n: int, m: int, order: list[str],
-              ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def one_round(names: list[str], groups: dict[str, PipeliningGroup], spec: ModelSpec, n: int, m: int,
+              order: list[str], ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for key in order:
-        if key in SCHEDULES:
-            row = pipelining_row(group, spec, key, m, n, args)
+        if key in groups:
+            row = pipelining_row(groups[key], spec, schedule_of(key), m, n, args)
         else:
             tl = (str(args.out.parent / "suite-timelines" / f"{spec.name}-{n}st-m{m}-{key}")
                   if m == args.timeline_chunks else None)
@@ -148,15 +163,17 @@ def pooled(rows: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             "round_medians_ms": [row["step"]["median_ms"] for row in rows]}
 
 
-def warm_up(names: list[str], group: PipeliningGroup, spec: ModelSpec, ctx: dict[str, Any], m: int,
+def warm_up(names: list[str], groups: dict[str, PipeliningGroup], spec: ModelSpec, ctx: dict[str, Any], m: int,
             args: argparse.Namespace) -> None:
-    """Run both pipelines once, untimed: the first configuration of a model ran 15-30% slower (seen on the
+    """Run every pipeline once, untimed: the first configuration of a model ran 15-30% slower (seen on the
     MLP: identical configurations, 'never' and 'except_last' at chunks=1, 780 vs 600 ms per step)."""
-    time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, "never", args.warmup, 1)
-    try:
-        group.time_steps(spec.name, "gpipe", m, args.warmup, 1)
-    except RuntimeError as exc:
-        log(f"  pipelining warm-up failed: {exc}")
+    if any(key in MODES for key in args.contestants):
+        time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, "never", args.warmup, 1)
+    for group in {id(g): g for g in groups.values()}.values():  # each group of processes once
+        try:
+            group.time_steps(spec.name, "gpipe", m, args.warmup, 1)
+        except RuntimeError as exc:
+            log(f"  pipelining warm-up failed: {exc}")
 
 
 def contention(spec: ModelSpec, n: int, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
@@ -169,7 +186,7 @@ def contention(spec: ModelSpec, n: int, args: argparse.Namespace) -> dict[str, l
                      for j in range(n)] for m in args.chunks if m >= 8}
 
 
-def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
+def run_section(cluster: Any, groups: dict[str, PipeliningGroup], spec: ModelSpec, n: int,
                 args: argparse.Namespace) -> dict[str, Any]:
     """One model on ``n`` stages: per-stage compute, RPC floor, every chunk count, memory."""
     names = cluster.names
@@ -190,11 +207,11 @@ def run_section(cluster: Any, group: PipeliningGroup, spec: ModelSpec, n: int,
     ctx = {"model": model, "balance": balance, "data": data, "full": full, "per_mb": per_mb,
            "pids": [os.getpid(), *cluster.pids[:n]]}
     if not args.quick:
-        warm_up(names, group, spec, ctx, args.chunks[0], args)
+        warm_up(names, groups, spec, ctx, args.chunks[0], args)
     rows = []
     for k, m in enumerate(args.chunks):
         load = loadavg()
-        row = one_chunk_count(names, group, spec, n, m, k, ctx, args)
+        row = one_chunk_count(names, groups, spec, n, m, k, ctx, args)
         row["loadavg_start"], row["loadavg_end"] = load, loadavg()
         row["rpc_mb_ms"] = max(floor["x".join(map(str, s))] for s in mb_shapes[m])
         row["rpc_step_ms"] = 2 * m * row["rpc_mb_ms"]  # the busiest boundary's traffic, forward + backward
@@ -231,10 +248,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "loadavg_start": result["loadavg_start"]}
         result["sections"] = []
         for n in args.stages:
-            with PipeliningGroup(n) as group:
+            with PipeliningGroup(n) as group, contextlib.ExitStack() as stack:
                 result["machine"][f"pipelining_threads_{n}st"] = group.threads  # [intra-op, inter-op]
+                groups = {key: group for key in SCHEDULES if key in args.contestants}
+                if CONTROL in args.contestants:
+                    groups[CONTROL] = stack.enter_context(PipeliningGroup(n))
                 for name in args.models:
-                    result["sections"].append(run_section(cluster, group, SPECS[name], n, args))
+                    result["sections"].append(run_section(cluster, groups, SPECS[name], n, args))
         if args.scaling_chunks:
             log("scaling: MLP step time vs chunks, fixed micro-batch size ...")
             spec = SPECS["mlp"]
@@ -266,6 +286,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="models to run ('tiny', next to no compute, shows each framework's cost per micro-batch)")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="stage counts")
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts")
+    p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS),
+                   help=f"who runs in each round (in this order); {CONTROL!r} is GPipe on a second group of "
+                        "processes, the A/A control")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before each measurement (a worker warms up per RPC thread: oneDNN/MKL keep "
                    "per-thread state)")
@@ -307,6 +330,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             or args.rounds < 1):
         p.error(f"need 1 <= chunks <= {batch} (the smallest batch), --warmup >= 0, --repeats >= 1, --rounds >= 1")
     args.chunks = sorted(set(args.chunks))
+    args.contestants = [key for key in CONTESTANTS if key in args.contestants]
     return args
 
 

@@ -31,13 +31,16 @@ def print_throughput(sec: dict[str, Any], plain: list[dict[str, Any]]) -> None:
     print("  compute per stage, whole batch, 1 thread (fwd/bwd ms): " + ", ".join(
         f"{c['forward_ms']:.0f}/{c['backward_ms']:.0f}" for c in sec["stage_compute"]))
     print(f"  {'m':>3} | {'GPipe':>6} {'1F1B':>6} | {'never':>6} {'exc_lst':>7} {'always':>6} | {'ideal':>6} "
-          f"{'i@mb':>6} | {'rr/GP':>5} {'el/GP':>5} | {'ach/i@mb: rr':>12} {'GP':>5} | {'rpc/mb':>6} {'load':>5}")
+          f"{'i@mb':>6} | {'rr/GP':>5} {'el/GP':>5} {'A/A':>5} | {'ach/i@mb: rr':>12} {'GP':>5} | "
+          f"{'rpc/mb':>6} {'load':>5}")
     for r in sec["rows"]:
         c = r["contestants"]
         gp, rr, el = sps(c.get("gpipe")), sps(c.get("never")), sps(c.get("except_last"))
+        again = sps(c.get("gpipe_control"))
         print(f"  {r['chunks']:>3} | {_f(gp):>6} {_f(sps(c.get('1f1b'))):>6} | {_f(rr):>6} {_f(el):>7} "
               f"{_f(sps(c.get('always'))):>6} | {r['ideal_samples_per_s']:>6.0f} {r['ideal_mb_samples_per_s']:>6.0f} | "
-              f"{_f(rr / gp if rr and gp else None, '.2f'):>5} {_f(el / gp if el and gp else None, '.2f'):>5} | "
+              f"{_f(rr / gp if rr and gp else None, '.2f'):>5} {_f(el / gp if el and gp else None, '.2f'):>5} "
+              f"{_f(again / gp if again and gp else None, '.2f'):>5} | "
               f"{_f(rr / r['ideal_mb_samples_per_s'] if rr else None, '.2f'):>12} "
               f"{_f(gp / r['ideal_mb_samples_per_s'] if gp else None, '.2f'):>5} | {r['rpc_mb_ms']:>6.2f} "
               f"{_f((r.get('loadavg_start') or [None])[0], '.1f'):>5}")
@@ -146,7 +149,9 @@ def print_all(result: dict[str, Any]) -> None:
         print_throughput(sec, plain[sec["name"]])
         print_records(sec, "never")
         print_cpu(sec)
-    print("\n  rr = rrefpipe 'never', el = 'except_last', GP = pipelining GPipe; ideal = m/(m+n-1) x slowest stage "
+    print("\n  rr = rrefpipe 'never', el = 'except_last', GP = pipelining GPipe; A/A = GPipe again, on a "
+          "second group of processes in the same rounds, over GPipe (the control: where two equal contestants "
+          "land in this run); ideal = m/(m+n-1) x slowest stage "
           "(fwd+bwd at full batch, 1 thread, no recompute); i@mb = same with fwd/bwd timed at the micro-batch size "
           "(the bubble model; ach/i@mb = achieved over it); "
           "rpc/mb = raw rpc_sync ms of one micro-batch's boundary tensor (largest boundary); load = 1-min load "

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from suite_targets import (  # noqa: E402  (the benchmarks are scripts, not a package)
-    contended_bubble, core_bound, round_ratios, vs_pipelining, work_ratio)
+    contended_bubble, core_bound, margin_to_clear, round_ratios, vs_pipelining, work_ratio)
 
 
 def section(forward_ms: list[float], backward_ms: list[float], chunks: int) -> dict[str, object]:
@@ -93,6 +93,57 @@ def test_cells_behind_in_every_round() -> None:
     assert "m>=4: 1/3 at >= 1.0" in target["detail"]
     assert "of the 2 below the bar, under it in each of the 3 rounds: mlp 2st m=4 0.91/0.96/0.83" in target["detail"]
     assert "m=8" not in target["detail"].split("rounds:")[1]
+
+
+def test_the_control_is_counted_like_rrefpipe() -> None:
+    # GPipe's second group: level at m=4 (not below the bar), behind in every round at m=8, ahead at m=16.
+    result = {"sections": [{"name": "resnet", "stages": 3, "rows": [
+        cell(4, [100.0, 100.0], [100.0, 100.0]),
+        cell(8, [100.0, 100.0], [100.0, 100.0]),
+        cell(16, [100.0, 100.0], [100.0, 100.0])]}]}
+    control = {4: [100.0, 100.0], 8: [104.0, 102.0], 16: [97.0, 99.0]}
+    for row in result["sections"][0]["rows"]:
+        rounds_ms = control[row["chunks"]]
+        row["contestants"]["gpipe_control"] = {"samples_per_s": 1e3 / sorted(rounds_ms)[1],
+                                               "round_medians_ms": rounds_ms}
+    target = vs_pipelining(result)
+    assert target["met"] is True  # the control never decides the verdict
+    rrefpipe, control_text, scatter = target["detail"].split(" | ")
+    assert rrefpipe.startswith("m>=4: 3/3 at >= 1.0")
+    assert control_text.startswith("A/A control, GPipe against itself in the same rounds: m>=4: 2/3 at >= 1.0, "
+                                   "worst 0.96 (resnet 3st m=8)")
+    assert scatter.startswith("m>=4, geometric mean over 3 cells")
+    assert control_text.endswith("of the 1 below the bar, under it in each of the 2 rounds: resnet 3st m=8 0.96/0.98")
+
+
+def test_margin_to_clear_every_cell() -> None:
+    import math
+    from statistics import NormalDist
+
+    # One cell at even odds needs no lead; no scatter needs none either.
+    assert margin_to_clear(0.06, 1) == pytest.approx(0.0, abs=1e-12)
+    assert margin_to_clear(0.0, 24) == pytest.approx(0.0)
+    # With the margin, each of 24 cells reads >= 1.0 with the probability whose 24th power is one half.
+    margin = margin_to_clear(0.06, 24)
+    each = NormalDist(math.log(1 + margin), 0.06).cdf(0.0)  # P(log ratio < 0) for one cell
+    assert (1 - each) ** 24 == pytest.approx(0.5)
+    assert margin_to_clear(0.06, 24, chance=0.9) > margin > margin_to_clear(0.03, 24)
+
+
+def test_control_scatter_needs_three_cells_at_m_4_or_more() -> None:
+    rows = [cell(m, [100.0], [100.0]) for m in (4, 8, 16)]
+    for row, control_ms in zip(rows, (100 / 1.05, 100.0, 105.0)):  # A/A 1.05, 1.0 and 1 / 1.05
+        row["contestants"]["gpipe_control"] = {"samples_per_s": 1e3 / control_ms, "round_medians_ms": [control_ms]}
+    detail = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows}]})["detail"]
+    assert "geometric mean over 3 cells: rrefpipe/GPipe 1.000, A/A 1.000; A/A scatter 0.049" in detail
+    assert "all 3 cells read >= 1.0 in half of the runs only for a contestant" in detail
+    two = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows[:2]}]})["detail"]
+    assert "geometric mean" not in two
+
+
+def test_no_control_no_control_text() -> None:
+    result = {"sections": [{"name": "mlp", "stages": 2, "rows": [cell(4, [100.0], [100.0])]}]}
+    assert "A/A" not in vs_pipelining(result)["detail"]
 
 
 def test_round_ratios_pair_rounds() -> None:
