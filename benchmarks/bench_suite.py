@@ -87,8 +87,9 @@ def add_inflation(rec: dict[str, Any], costs_mb: list[dict[str, float]], m: int,
 
 
 CONTROL = "gpipe_control"  # GPipe on a second group of processes: the run's A/A control
-#: Every contestant, in the order of a round (reversed every other round). The control runs as far from
-#: GPipe as rrefpipe 'never' does, so drift within a round separates it from GPipe as much.
+#: Every contestant, in the order of a round; the order is reversed every other round, so a steady drift
+#: in the machine's speed cancels out of every contestant's pooled steps. The control runs right after
+#: rrefpipe 'never', one place further from GPipe.
 CONTESTANTS = ("gpipe", "1f1b", "never", CONTROL, "except_last", "always")
 
 
@@ -169,7 +170,7 @@ def warm_up(names: list[str], groups: dict[str, PipeliningGroup], spec: ModelSpe
     MLP: identical configurations, 'never' and 'except_last' at chunks=1, 780 vs 600 ms per step)."""
     if any(key in MODES for key in args.contestants):
         time_pipe(names, ctx["model"], ctx["balance"], ctx["data"], spec.loss_fn(), m, "never", args.warmup, 1)
-    for group in {id(g): g for g in groups.values()}.values():  # each group of processes once
+    for group in dict.fromkeys(groups.values()):  # each group of processes once
         try:
             group.time_steps(spec.name, "gpipe", m, args.warmup, 1)
         except RuntimeError as exc:
@@ -236,6 +237,19 @@ def plain_baselines(names: Sequence[str], args: argparse.Namespace) -> dict[str,
     return out
 
 
+def pipelining_groups(n: int, contestants: Sequence[str], stack: contextlib.ExitStack) -> dict[str, PipeliningGroup]:
+    """The pipelining contestants' groups of ``n`` processes, closed with ``stack``: GPipe and 1F1B share
+    one, the control has its own."""
+    groups: dict[str, PipeliningGroup] = {}
+    schedules = [key for key in SCHEDULES if key in contestants]
+    if schedules:
+        group = stack.enter_context(PipeliningGroup(n))
+        groups.update(dict.fromkeys(schedules, group))
+    if CONTROL in contestants:
+        groups[CONTROL] = stack.enter_context(PipeliningGroup(n))
+    return groups
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from workers import LocalWorkers
 
@@ -248,11 +262,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "loadavg_start": result["loadavg_start"]}
         result["sections"] = []
         for n in args.stages:
-            with PipeliningGroup(n) as group, contextlib.ExitStack() as stack:
-                result["machine"][f"pipelining_threads_{n}st"] = group.threads  # [intra-op, inter-op]
-                groups = {key: group for key in SCHEDULES if key in args.contestants}
-                if CONTROL in args.contestants:
-                    groups[CONTROL] = stack.enter_context(PipeliningGroup(n))
+            with contextlib.ExitStack() as stack:
+                groups = pipelining_groups(n, args.contestants, stack)
+                for group in groups.values():
+                    result["machine"][f"pipelining_threads_{n}st"] = group.threads  # [intra-op, inter-op]
                 for name in args.models:
                     result["sections"].append(run_section(cluster, groups, SPECS[name], n, args))
         if args.scaling_chunks:
