@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench_core import ideal_step_ms, stage_tick_ms
 from suite_report import CHECKPOINTED, ISSUE_PIPELINING_ACH, MODES, recompute_ratios, sps
@@ -52,35 +52,46 @@ def round_ratios(rr: dict[str, Any], gp: dict[str, Any]) -> list[float]:
     return [g / r for r, g in zip(rr.get("round_medians_ms") or [], gp.get("round_medians_ms") or [])]
 
 
-def _against_gpipe(result: dict[str, Any], key: str) -> list[tuple[float, str, int, list[float]]]:
-    """Contestant ``key`` over pipelining GPipe in every cell of the run: (pooled samples/s ratio, cell,
-    chunks, the ratio in each round)."""
+class Cell(NamedTuple):
+    """One cell of a contestant over pipelining GPipe: the pooled samples/s ratio and each round's."""
+
+    ratio: float
+    name: str
+    chunks: int
+    rounds: list[float]
+
+    @property
+    def bar(self) -> float:
+        """The GPipe target's bar: level at m >= 4, within 10% below."""
+        return 1.0 if self.chunks >= 4 else 0.9
+
+
+def _against_gpipe(result: dict[str, Any], key: str) -> list[Cell]:
+    """Contestant ``key`` over pipelining GPipe in every cell of the run."""
     cells = []
     for sec in result["sections"]:
         for r in sec["rows"]:
             row, gp_row = r["contestants"].get(key), r["contestants"].get("gpipe")
             mine, gp = sps(row), sps(gp_row)
             if mine and gp and row and gp_row:
-                cells.append((mine / gp, f"{sec['name']} {sec['stages']}st m={r['chunks']}", r["chunks"],
-                              round_ratios(row, gp_row)))
+                cells.append(Cell(mine / gp, f"{sec['name']} {sec['stages']}st m={r['chunks']}", r["chunks"],
+                                  round_ratios(row, gp_row)))
     return cells
 
 
-def _tally(cells: list[tuple[float, str, int, list[float]]]) -> list[str]:
-    """How many cells reach the bar (1.0 at m >= 4, 0.9 below), the worst of each group, and the cells
-    under the bar in every round of the run."""
+def _tally(cells: list[Cell]) -> list[str]:
+    """How many cells reach the bar, the worst of each group, and the cells under the bar in every round."""
     parts = []
-    for label, group, bar in (("m>=4", [c for c in cells if c[2] >= 4], 1.0),
-                              ("m<=2", [c for c in cells if c[2] < 4], 0.9)):
+    for label, group in (("m>=4", [c for c in cells if c.chunks >= 4]), ("m<=2", [c for c in cells if c.chunks < 4])):
         if group:
             worst = min(group)
-            parts.append(f"{label}: {sum(c[0] >= bar for c in group)}/{len(group)} at >= {bar}, worst "
-                         f"{worst[0]:.2f} ({worst[1]})")
-    rounds = max((len(c[3]) for c in cells), default=0)
+            parts.append(f"{label}: {sum(c.ratio >= c.bar for c in group)}/{len(group)} at >= {group[0].bar}, "
+                         f"worst {worst.ratio:.2f} ({worst.name})")
+    rounds = max((len(c.rounds) for c in cells), default=0)
     if rounds > 1:
-        below = [c for c in cells if c[0] < (1.0 if c[2] >= 4 else 0.9)]
-        every = [f"{c[1]} " + "/".join(f"{v:.2f}" for v in c[3]) for c in below
-                 if len(c[3]) > 1 and all(v < (1.0 if c[2] >= 4 else 0.9) for v in c[3])]
+        below = [c for c in cells if c.ratio < c.bar]
+        every = [f"{c.name} " + "/".join(f"{v:.2f}" for v in c.rounds) for c in below
+                 if len(c.rounds) > 1 and all(v < c.bar for v in c.rounds)]
         parts.append(f"of the {len(below)} below the bar, under it in each of the {rounds} rounds: "
                      + (", ".join(every) if every else "none"))
     return parts
@@ -106,12 +117,12 @@ def vs_pipelining(result: dict[str, Any]) -> Target:
     cells = _against_gpipe(result, "never")
     if not cells:
         return _target(name, None, "no data")
-    met = all(c[0] >= (1.0 if c[2] >= 4 else 0.9) for c in cells)
+    met = all(c.ratio >= c.bar for c in cells)
     detail = "; ".join(_tally(cells))
     control = _against_gpipe(result, "gpipe_control")
     if control:
         detail += " | A/A control, GPipe against itself in the same rounds: " + "; ".join(_tally(control))
-        paired = [(c[0], a[0]) for c in cells for a in control if c[1] == a[1] and c[2] >= 4]
+        paired = [(c.ratio, a.ratio) for c in cells for a in control if c.name == a.name and c.chunks >= 4]
         if len(paired) >= 3:
             sd = statistics.stdev(math.log(a) for _, a in paired)
             ours, control_mean = geometric_mean([r for r, _ in paired]), geometric_mean([a for _, a in paired])
