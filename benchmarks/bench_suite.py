@@ -1,7 +1,7 @@
 """Issue #5's benchmark suite: rrefpipe against plain PyTorch, torch.distributed.pipelining and the ideal.
 
-``python benchmarks/bench_suite.py`` (about 28 minutes on 2 CPU cores; ``--quick``: a smoke run under
-2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
+``python benchmarks/bench_suite.py`` (about 40 minutes on 2 CPU cores, 55 with ``--rounds 3``; ``--quick``: a
+smoke run under 2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
 ``suite.png`` (``--out``). For each model (``--models``), stage count (``--stages``) and chunk count
 (``--chunks``), in the same run, on the same model, mini-batch and layer split:
 
