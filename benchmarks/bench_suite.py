@@ -1,6 +1,6 @@
 """Issue #5's benchmark suite: rrefpipe against plain PyTorch, torch.distributed.pipelining and the ideal.
 
-``python benchmarks/bench_suite.py`` (about 40 minutes on 2 CPU cores, 55 with ``--rounds 3``; ``--quick``: a
+``python benchmarks/bench_suite.py`` (about 40 minutes on 2 CPU cores, estimated; 55 with ``--rounds 3``; ``--quick``: a
 smoke run under 2 minutes) prints tables and a targets block, and writes ``benchmarks/results/suite.json`` and
 ``suite.png`` (``--out``). For each model (``--models``), stage count (``--stages``) and chunk count
 (``--chunks``), in the same run, on the same model, mini-batch and layer split:
@@ -8,8 +8,9 @@ smoke run under 2 minutes) prints tables and a targets block, and writes ``bench
 1. plain PyTorch in this process, 1 and 2 intra-op threads (measured before any worker starts);
 2. torch.distributed.pipelining ``ScheduleGPipe`` and ``Schedule1F1B`` (1F1B needs chunks >= stages),
    one process per stage over gloo on 127.0.0.1 (``suite_pipelining``); and GPipe again on a second
-   group of processes (``gpipe_control``), an A/A control: the two GPipe runs differ only by the
-   machine's noise, so their ratio shows how far apart two equal contestants land in this run;
+   group of processes (``gpipe_control``), an A/A control: the two GPipe runs differ by the machine's
+   noise (and their group and place in a round), so their ratio shows how far apart two equal
+   contestants land in this run;
 3. rrefpipe on ``workers.LocalWorkers`` (``suite_rrefpipe``), checkpoint 'never', 'except_last',
    'always', the driver also at 1 thread;
 4. the ideal: GPipe efficiency m/(m+n-1) applied to the slowest stage's forward+backward, measured in
@@ -87,8 +88,9 @@ def add_inflation(rec: dict[str, Any], costs_mb: list[dict[str, float]], m: int,
 
 
 CONTROL = "gpipe_control"  # GPipe on a second group of processes: the run's A/A control
-#: Every contestant, in the order of a round; the order is reversed every other round, so a steady drift
-#: in the machine's speed cancels out of every contestant's pooled steps. The control runs right after
+#: Every contestant, in the order of a round. The order is reversed every other round and at every other
+#: chunk count, so a steady drift in the machine's speed moves no contestant's pooled steps over an even
+#: number of rounds, and over neighbouring chunk counts for an odd one. The control runs right after
 #: rrefpipe 'never', one place further from GPipe.
 CONTESTANTS = ("gpipe", "1f1b", "never", CONTROL, "except_last", "always")
 
@@ -300,8 +302,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="stage counts")
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts")
     p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS),
-                   help=f"who runs in each round (in this order); {CONTROL!r} is GPipe on a second group of "
-                        "processes, the A/A control")
+                   help=f"who runs in each round, always in the order {', '.join(CONTESTANTS)} (reversed every "
+                        f"other round); {CONTROL!r} is GPipe on a second group of processes, the A/A control")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before each measurement (a worker warms up per RPC thread: oneDNN/MKL keep "
                    "per-thread state)")

@@ -8,6 +8,7 @@ from typing import Any
 from suite_report import recompute_ratios, sps
 
 STYLE = {"gpipe": ("pipelining GPipe", "#c44e52", "s-"), "1f1b": ("pipelining 1F1B", "#dd8452", "D-"),
+         "gpipe_control": ("pipelining GPipe again (A/A control)", "#c44e52", "s:"),
          "never": ("rrefpipe never", "#4c72b0", "o-"), "except_last": ("rrefpipe except_last", "#55a868", "o-"),
          "always": ("rrefpipe always", "#8172b3", "o-")}
 

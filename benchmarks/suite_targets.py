@@ -109,27 +109,35 @@ def margin_to_clear(log_sd: float, cells: int, chance: float = 0.5) -> float:
     return math.exp(z * log_sd) - 1
 
 
+def _scatter(cells: list[Cell], control: list[Cell]) -> str:
+    """The control's cells (and rrefpipe's in the same places) as geometric means, the control's scatter,
+    and the lead that scatter asks of a contestant for every cell to read >= 1.0 in half of the runs,
+    taking the cells as independent and their log ratios as normal."""
+    if len(control) < 3:
+        return ""
+    sd = statistics.stdev(math.log(c.ratio) for c in control)
+    ours = [c.ratio for c in cells if c.name in {a.name for a in control}]
+    text = f" | m>=4, geometric mean over {len(control)} cells: A/A {geometric_mean([c.ratio for c in control]):.3f}"
+    if len(ours) == len(control):
+        text += f", rrefpipe/GPipe {geometric_mean(ours):.3f}"
+    return (text + f"; A/A scatter {sd:.3f} (sd of log ratio), at which all {len(control)} cells read >= 1.0 in "
+            f"half of the runs only for a contestant {margin_to_clear(sd, len(control)):.0%} faster in each "
+            "(independent, normal cells)")
+
+
 def vs_pipelining(result: dict[str, Any]) -> Target:
     """rrefpipe 'never' against GPipe; beside it, the run's A/A control (GPipe on a second group of
     processes against GPipe, same rounds) counted the same way: what two equal contestants score here,
     and, from its scatter, the lead in every cell that "all cells at >= 1.0" would take."""
     name = "rrefpipe >= pipelining GPipe (m >= 4), >= 0.9x (m 1-2)"
-    cells = _against_gpipe(result, "never")
-    if not cells:
+    cells, control = _against_gpipe(result, "never"), _against_gpipe(result, "gpipe_control")
+    if not cells and not control:
         return _target(name, None, "no data")
-    met = all(c.ratio >= c.bar for c in cells)
-    detail = "; ".join(_tally(cells))
-    control = _against_gpipe(result, "gpipe_control")
+    met = all(c.ratio >= c.bar for c in cells) if cells else None
+    detail = "; ".join(_tally(cells)) if cells else "rrefpipe not run"
     if control:
         detail += " | A/A control, GPipe against itself in the same rounds: " + "; ".join(_tally(control))
-        paired = [(c.ratio, a.ratio) for c in cells for a in control if c.name == a.name and c.chunks >= 4]
-        if len(paired) >= 3:
-            sd = statistics.stdev(math.log(a) for _, a in paired)
-            ours, control_mean = geometric_mean([r for r, _ in paired]), geometric_mean([a for _, a in paired])
-            detail += (f" | m>=4, geometric mean over {len(paired)} cells: rrefpipe/GPipe {ours:.3f}, "
-                       f"A/A {control_mean:.3f}; "
-                       f"A/A scatter {sd:.3f} (sd of log ratio), at which all {len(paired)} cells read >= 1.0 in "
-                       f"half of the runs only for a contestant {margin_to_clear(sd, len(paired)):.0%} faster in each")
+        detail += _scatter(cells, [c for c in control if c.chunks >= 4])
     return _target(name, met, detail)
 
 

@@ -135,10 +135,22 @@ def test_control_scatter_needs_three_cells_at_m_4_or_more() -> None:
     for row, control_ms in zip(rows, (100 / 1.05, 100.0, 105.0)):  # A/A 1.05, 1.0 and 1 / 1.05
         row["contestants"]["gpipe_control"] = {"samples_per_s": 1e3 / control_ms, "round_medians_ms": [control_ms]}
     detail = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows}]})["detail"]
-    assert "geometric mean over 3 cells: rrefpipe/GPipe 1.000, A/A 1.000; A/A scatter 0.049" in detail
+    assert "geometric mean over 3 cells: A/A 1.000, rrefpipe/GPipe 1.000; A/A scatter 0.049" in detail
     assert "all 3 cells read >= 1.0 in half of the runs only for a contestant" in detail
     two = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows[:2]}]})["detail"]
     assert "geometric mean" not in two
+
+
+def test_a_control_only_run_reports_the_control() -> None:
+    rows = [cell(m, [100.0], [100.0]) for m in (4, 8, 16)]
+    for row, control_ms in zip(rows, (100 / 1.05, 100.0, 105.0)):
+        del row["contestants"]["never"]
+        row["contestants"]["gpipe_control"] = {"samples_per_s": 1e3 / control_ms, "round_medians_ms": [control_ms]}
+    target = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows}]})
+    assert target["met"] is None  # rrefpipe did not run: nothing to judge
+    assert target["detail"].startswith("rrefpipe not run | A/A control, GPipe against itself in the same rounds: "
+                                       "m>=4: 2/3 at >= 1.0, worst 0.95 (mlp 2st m=16)")
+    assert "geometric mean over 3 cells: A/A 1.000; A/A scatter 0.049" in target["detail"]
 
 
 def test_no_control_no_control_text() -> None:
