@@ -266,8 +266,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.stages:
             with contextlib.ExitStack() as stack:
                 groups = pipelining_groups(n, args.contestants, stack)
-                for group in groups.values():
-                    result["machine"][f"pipelining_threads_{n}st"] = group.threads  # [intra-op, inter-op]
+                if groups:  # every group starts its ranks alike
+                    result["machine"][f"pipelining_threads_{n}st"] = next(iter(groups.values())).threads
                 for name in args.models:
                     result["sections"].append(run_section(cluster, groups, SPECS[name], n, args))
         if args.scaling_chunks:

@@ -116,10 +116,14 @@ def _scatter(cells: list[Cell], control: list[Cell]) -> str:
     if len(control) < 3:
         return ""
     sd = statistics.stdev(math.log(c.ratio) for c in control)
-    ours = [c.ratio for c in cells if c.name in {a.name for a in control}]
+    ours = {c.name: c.ratio for c in cells}
     text = f" | m>=4, geometric mean over {len(control)} cells: A/A {geometric_mean([c.ratio for c in control]):.3f}"
-    if len(ours) == len(control):
-        text += f", rrefpipe/GPipe {geometric_mean(ours):.3f}"
+    if all(a.name in ours for a in control):
+        text += f", rrefpipe/GPipe {geometric_mean([ours[a.name] for a in control]):.3f}"
+        # rrefpipe over the control cell by cell, with the standard error of its mean log
+        logs = [math.log(ours[a.name] / a.ratio) for a in control]
+        text += (f", rrefpipe/A/A {math.exp(statistics.fmean(logs)):.3f} "
+                 f"+- {statistics.stdev(logs) / math.sqrt(len(logs)):.3f} (standard error)")
     return (text + f"; A/A scatter {sd:.3f} (sd of log ratio), at which all {len(control)} cells read >= 1.0 in "
             f"half of the runs only for a contestant {margin_to_clear(sd, len(control)):.0%} faster in each "
             "(independent, normal cells)")

@@ -135,7 +135,9 @@ def test_control_scatter_needs_three_cells_at_m_4_or_more() -> None:
     for row, control_ms in zip(rows, (100 / 1.05, 100.0, 105.0)):  # A/A 1.05, 1.0 and 1 / 1.05
         row["contestants"]["gpipe_control"] = {"samples_per_s": 1e3 / control_ms, "round_medians_ms": [control_ms]}
     detail = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows}]})["detail"]
-    assert "geometric mean over 3 cells: A/A 1.000, rrefpipe/GPipe 1.000; A/A scatter 0.049" in detail
+    # rrefpipe level with GPipe, over a control at 1.05, 1.0, 1/1.05: log ratios -l, 0, l with l = log 1.05
+    assert ("geometric mean over 3 cells: A/A 1.000, rrefpipe/GPipe 1.000, rrefpipe/A/A 1.000 +- 0.028 "
+            "(standard error); A/A scatter 0.049") in detail
     assert "all 3 cells read >= 1.0 in half of the runs only for a contestant" in detail
     two = vs_pipelining({"sections": [{"name": "mlp", "stages": 2, "rows": rows[:2]}]})["detail"]
     assert "geometric mean" not in two
