@@ -1,0 +1,110 @@
+"""Save a training run and resume it: the resumed run ends where an uninterrupted one does.
+
+    python examples/checkpoint_resume.py --steps 4 --more 4
+
+Trains a small classifier through a pipeline of 2 local stage workers with Adam and a StepLR schedule
+(`rrefpipe.optim`), saves the model, optimizer and scheduler states with `torch.save` after `--steps`
+steps, builds a fresh pipe, optimizer and scheduler from other weights, loads the checkpoint into them
+and trains `--more` steps. Then it trains the same model for `--steps + --more` steps without stopping
+and prints how far the two runs' weights are apart. Exits with status 1 if they are not equal (within
+float tolerance).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import DistributedOptimizer
+
+import rrefpipe.optim
+import workers
+from rrefpipe import Pipe
+from rrefpipe.optim import RemoteLRScheduler, load_optimizer_state_dict, optimizer_state_dict
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """No dropout: a resumed run's stages are seeded afresh, so dropout masks would differ."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+class Run:
+    """A pipe with its optimizer and LR scheduler: what a checkpoint saves and restores."""
+
+    def __init__(self, model: nn.Sequential, stage_workers: list[str]) -> None:
+        self.pipe = Pipe(model, chunks=4, workers=stage_workers)
+        self.opt = DistributedOptimizer(rrefpipe.optim.Adam, self.pipe.parameter_rrefs(), lr=0.01)
+        self.sched = RemoteLRScheduler(self.opt, torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+
+    def train(self, batches: Batches) -> float:
+        loss = torch.tensor(float("nan"))
+        for x, y in batches:
+            with dist_autograd.context() as ctx:
+                loss = F.cross_entropy(self.pipe(x).local_value(), y)
+                self.pipe.backward(ctx, loss)
+                self.opt.step(ctx)
+            self.sched.step()
+        return loss.item()
+
+    def save(self, path: Path) -> None:
+        torch.save({"model": self.pipe.state_dict(), "optimizer": optimizer_state_dict(self.opt),
+                    "scheduler": self.sched.state_dict()}, path)
+
+    def load(self, path: Path) -> None:
+        checkpoint = torch.load(path)
+        self.pipe.load_state_dict(checkpoint["model"])
+        load_optimizer_state_dict(self.opt, checkpoint["optimizer"])
+        self.sched.load_state_dict(checkpoint["scheduler"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="steps before the checkpoint (default: 4)")
+    p.add_argument("--more", type=int, default=4, help="steps after resuming (default: 4)")
+    args = p.parse_args()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 20, generator=g), torch.randint(0, 4, (32,), generator=g))
+               for _ in range(args.steps + args.more)]
+    first, rest = batches[:args.steps], batches[args.steps:]
+
+    with workers.LocalWorkers(2) as group, tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "checkpoint.pt"
+        run = Run(make_model(seed=1), group.names)
+        print(f"trained {args.steps} steps, loss {run.train(first):.4f}; saving to {path.name}")
+        run.save(path)
+        run.pipe.close()
+
+        resumed = Run(make_model(seed=2), group.names)   # other weights: the checkpoint must overwrite them
+        resumed.load(path)
+        print(f"resumed, trained {args.more} more, loss {resumed.train(rest):.4f}, "
+              f"learning rates {resumed.sched.get_last_lr()}")
+        after_resume = resumed.pipe.state_dict()
+        resumed.pipe.close()
+
+        straight = Run(make_model(seed=1), group.names)
+        print(f"uninterrupted run of {args.steps + args.more} steps, loss {straight.train(batches):.4f}")
+        uninterrupted = straight.pipe.state_dict()
+        straight.pipe.close()
+
+    difference = max((after_resume[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+    print(f"largest weight difference, resumed vs uninterrupted: {difference:.3g}")
+    try:
+        for key in uninterrupted:
+            torch.testing.assert_close(after_resume[key], uninterrupted[key])
+    except AssertionError as e:
+        print(f"the resumed run differs from the uninterrupted one: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
