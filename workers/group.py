@@ -153,12 +153,15 @@ def torchrun_group(
             when ``MASTER_ADDR`` is loopback, else ``TP_SOCKET_IFNAME`` if set, else TensorPipe's guess
             (with a warning naming the interface the route to the master uses).
         rpc_timeout: seconds an RPC may take once the group is up (``startup_timeout`` while joining).
-        devices, device_maps: CUDA stages across hosts, see :func:`stage_devices`.
-        transports, channels: TensorPipe's (default: TCP only; ``channels=["basic"]`` sends tensors
-            through the transport too).
+        devices: CUDA stages across hosts, see :func:`stage_devices`.
+        device_maps: TensorPipe device maps added to (or overriding) those ``devices`` implies, see
+            :func:`stage_devices`.
+        transports: TensorPipe's transports (default: TCP only).
+        channels: TensorPipe's channels (``channels=["basic"]`` sends tensors through the transport too).
         num_worker_threads: RPC threads per process (default: ``DRIVER_RPC_THREADS`` on the driver,
-            ``STAGE_RPC_THREADS`` on stage workers). threads, interop_threads: intra-op and inter-op
-            threads of a stage worker (``interop_threads=None`` keeps PyTorch's default).
+            ``STAGE_RPC_THREADS`` on stage workers).
+        threads: intra-op threads of a stage worker.
+        interop_threads: inter-op threads of a stage worker (``None`` keeps PyTorch's default).
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
