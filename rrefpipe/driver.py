@@ -244,7 +244,7 @@ class RemoteDriver:
         self.infos, self._placed = [], 0
 
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> rpc.RRef:
         self._check_open()
         batches = microbatch.scatter(value, self.chunks)
         for t in microbatch.as_tensors(value):
@@ -266,6 +266,7 @@ class RemoteDriver:
                 keep_output=self.remote_output,
                 timeout=self.rpc_timeout,
                 per_message=self.microbatches_per_message,
+                spread=spread,
                 autocast=autocast.capture(),
             )
             collector = _Collector()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
+from .calling import run_layers
 from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
 from .errors import Failure
 from .dependency import arrival, fence, hop, join, mark, new_phony
@@ -46,6 +47,7 @@ class StepMeta:
     keep_output: bool = False  # the output stays on the last stage (only phonies no loss can reach go)
     per_message: int = 1  # micro-batches per message from a stage to the next
     autocast: tuple[AutocastRegion, ...] = ()  # the driver's autocast regions around the forward
+    spread: bool = False  # the call had several inputs: tuples reach layers spread (see ``calling``)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class Stage:
                 value = mark(value, backward_end)
             elif meta.grad_enabled:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
-            fn, outgoing = self._runner(meta.step, i, received)
+            fn, outgoing = self._runner(meta.step, i, received, meta.spread)
             with random_turns:
                 out = self._checkpointed(meta, i, fn, value, received) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
@@ -223,7 +225,7 @@ class Stage:
     def _to_device(self, t: Tensor) -> Tensor:
         return to_device(t, self.device)
 
-    def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None]
+    def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None], spread: bool
                 ) -> tuple[Callable[[TensorOrTensors], TensorOrTensors], dict[SkipKey, Tensor | None]]:
         """The partition's forward with its skip router. The forward records 'forward' and collects the
         outgoing skips; checkpoint recomputation records 'recompute' and sends nothing."""
@@ -235,10 +237,10 @@ class Stage:
             try:
                 with running_stats_frozen(self._plain_norms if again else ()):
                     if not self._skippable:  # the common case: no tracker to install
-                        return self.module(value)
+                        return run_layers(self.module, value, spread)
                     router = StageRouter(self.routes, received, recomputing=again)
                     with use_tracker(router):
-                        out = self.module(value)
+                        out = run_layers(self.module, value, spread)
                 if not again:
                     outgoing.update(router.outgoing)
                 return out

@@ -1,0 +1,68 @@
+"""How a value reaches a layer: whole (PyTorch 1.8's Pipe) or spread over its parameters (2.x's).
+
+PyTorch 1.8's partitions were plain ``nn.Sequential``: a tuple reached each layer as one argument.
+PyTorch 2.x called the first layer as ``layer(*inputs)`` and spread every tuple between layers
+(``PipeSequential``). Both kinds of script run here, told apart by the call (pure, no RPC):
+
+* ``pipe(a, b)``, several inputs: 2.x style, ``spread=True``: every tuple is spread, the inputs
+  included (``first(a, b)``); a tensor or a list goes whole, as in 2.x.
+* ``pipe(x)`` or ``pipe((a, b))``, one input: 1.8 style, ``spread=False``: a tuple reaches a layer whole,
+  except a layer whose ``forward`` cannot take one argument (two or more required positional
+  parameters), which gets it spread, so 2.x single-input models that pass ``(x, mask)`` on also run.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["needs_spread", "call_layer", "run_layers"]
+
+_one_argument: dict[type, bool] = {}  # by layer class: whether its forward can take a single argument
+
+
+def _takes_one_argument(forward: Callable[..., Any]) -> bool:
+    """Whether ``forward`` (bound) can be called with one positional argument."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it as 1.8 did
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    return len(required) <= 1
+
+
+def needs_spread(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward requires two or more positional arguments (so a tuple must be spread).
+
+    Read from the signature (``@skippable`` keeps the decorated forward's), once per class unless the
+    instance has a ``forward`` of its own."""
+    if "forward" in vars(layer):
+        return not _takes_one_argument(layer.forward)
+    cls = type(layer)
+    if cls not in _one_argument:
+        _one_argument[cls] = _takes_one_argument(layer.forward)
+    return not _one_argument[cls]
+
+
+def call_layer(layer: nn.Module, value: Any, spread: bool) -> Any:
+    """``layer(*value)`` where ``value`` is a tuple and the call is 2.x style (``spread``) or the layer
+    requires several arguments (:func:`needs_spread`); else ``layer(value)``."""
+    if isinstance(value, tuple) and (spread or needs_spread(layer)):
+        return layer(*value)
+    return layer(value)
+
+
+def run_layers(layers: Iterable[nn.Module], value: Any, spread: bool) -> Any:
+    """Run ``layers`` in order, each on the previous one's output, through :func:`call_layer`.
+
+    In 2.x style a plain ``nn.Sequential`` among them is run layer by layer, as 2.x flattened nested
+    ``nn.Sequential`` modules into its partitions (its own hooks then do not run)."""
+    for layer in layers:
+        if spread and type(layer) is nn.Sequential:
+            value = run_layers(layer, value, spread)
+        else:
+            value = call_layer(layer, value, spread)
+    return value
