@@ -2,10 +2,11 @@
 from .checkpoint import is_checkpointing, is_recomputing
 from .errors import StageError, WorkerError
 from .grad_scaler import GradScaler
+from .local import InProcessWarning
 from .pipe import Pipe
 from .stage import StageInfo
 from .trace import Event, format_events
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
-           "is_checkpointing", "is_recomputing"]
+           "is_checkpointing", "is_recomputing", "InProcessWarning"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ works on the output, and so does ``dist_autograd.backward`` inside a context.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +21,34 @@ from .skip.tracker import SkipKey
 from .stage import Stage, StageInfo, StepMeta
 from .trace import Event
 
-__all__: list[str] = []
+__all__ = ["InProcessWarning", "warn_in_process"]
+
+
+class InProcessWarning(UserWarning):
+    """A Pipe runs its stages in the driver's process: RPC was initialised with world size 1.
+
+    Code ported from ``torch.distributed.pipeline.sync`` keeps its ``init_rpc(..., world_size=1)`` and
+    runs, but on no stage worker. Silence it where that is what you want::
+
+        warnings.filterwarnings("ignore", category=rrefpipe.InProcessWarning)
+    """
+
+
+_warned_in_process = False
+
+
+def warn_in_process(stages: int) -> None:
+    """Say once per process that a pipe's stages run here, and how to get stage workers instead."""
+    global _warned_in_process
+    if _warned_in_process:
+        return
+    _warned_in_process = True
+    warnings.warn(f"RPC is initialised with world size 1, so this Pipe runs its {stages} stage(s) in this process, "
+                  "one after another, as PyTorch's Pipe did: no stage workers. For stage workers, leave out "
+                  "rpc.init_rpc (rrefpipe then starts local ones), or start them (python -m rrefpipe.workers, "
+                  "torchrun) and init_rpc with their world size; see the porting guide. (This warning comes once; "
+                  "silence it with warnings.filterwarnings('ignore', category=rrefpipe.InProcessWarning).)",
+                  InProcessWarning, stacklevel=3)
 
 
 class LocalDriver:
@@ -59,14 +87,17 @@ class LocalDriver:
     def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
         return [grad_scaler.unscale(self._gradients(context_id), inv_scale)]
 
-    def forward(self, value: TensorOrTensors, *, training: bool) -> rpc.RRef:
+    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> rpc.RRef:
         if self.closed:
             raise RuntimeError("this Pipe is closed; build a new Pipe")
+        if not self.stages:  # an empty nn.Sequential: the input is the output, as in PyTorch's Pipe
+            microbatch.check(value, "Pipe input")
+            return rpc.RRef(tuple(value) if isinstance(value, list) else value)
         batches = microbatch.scatter(value, self.chunks)
         m, grad = len(batches), torch.is_grad_enabled()
         meta = StepMeta(step=next(self._steps), chunks=m,
                         checkpoint_stop=checkpoint_stop(self.checkpoint, m, enabled=training and grad),
-                        grad_enabled=grad, driver=_rpc.self_name(), timeout=0.0)
+                        grad_enabled=grad, driver=_rpc.self_name(), timeout=0.0, spread=spread)
         values: list[TensorOrTensors] = list(batches)
         skips: list[dict[SkipKey, Tensor | None]] = [{} for _ in range(m)]
         for tick in clock_cycles(m, len(self.stages)):

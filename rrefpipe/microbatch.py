@@ -7,7 +7,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["Tensors", "TensorOrTensors", "as_tensors", "check", "scatter", "gather", "apply", "detached"]
+__all__ = ["Tensors", "TensorOrTensors", "as_tensors", "call_inputs", "check", "scatter", "gather", "apply", "detached"]
 
 Tensors = tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -28,6 +28,25 @@ def check(value: object, where: str) -> None:
         kinds = ", ".join(type(t).__name__ for t in value) or "empty"
         raise TypeError(f"{where} must be a Tensor or a tuple of Tensors, got a {type(value).__name__} of ({kinds})")
     raise TypeError(f"{where} must be a Tensor or a tuple of Tensors, got {type(value).__name__}")
+
+
+def call_inputs(inputs: tuple[object, ...]) -> tuple[TensorOrTensors, bool]:
+    """The value of a call ``pipe(*inputs)`` and whether it is 2.x style (spread, see :mod:`rrefpipe.calling`).
+
+    One input is the value as given (checked where it is split). Several must all be tensors: PyTorch
+    2.x also took other values, copied whole into every micro-batch, and ``NoChunk`` tensors; neither
+    is carried over."""
+    if not inputs:
+        raise TypeError("Pipe needs an input: pipe(x), pipe((a, b)) (1.8 style) or pipe(a, b) (2.x style)")
+    if len(inputs) == 1:
+        return inputs[0], False  # type: ignore[return-value]  # (checked where it is split)
+    for k, value in enumerate(inputs):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Pipe input {k} of {len(inputs)} is a {type(value).__name__}: every input must be a Tensor, "
+                            "split along dim 0 into micro-batches. PyTorch 2.x's non-tensor inputs and NoChunk "
+                            "(copied whole into every micro-batch) are not carried over: give such values to the "
+                            "layers when you build them, or expand a tensor to the batch size")
+    return tuple(inputs), True  # type: ignore[arg-type]  # (all tensors, checked above)
 
 
 def apply(fn: Callable[[Tensor], Tensor], value: TensorOrTensors) -> TensorOrTensors:

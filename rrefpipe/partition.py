@@ -1,6 +1,7 @@
 """Checking a Pipe's arguments and cutting an ``nn.Sequential``, and its state dict, into stages (pure, no RPC)."""
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,11 +16,12 @@ __all__ = ["verify_module", "check_chunks", "check_checkpoint", "check_balance",
 
 
 def verify_module(module: object) -> None:
-    """Pipe wraps a non-empty ``nn.Sequential`` whose children are distinct modules."""
+    """Pipe wraps an ``nn.Sequential`` whose children are distinct modules (an empty one too, as PyTorch's did)."""
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"Pipe expects an nn.Sequential module, got {type(module).__name__}")
-    if len(module) == 0:
-        raise ValueError("Pipe expects a non-empty nn.Sequential, got one with no layers")
+        raise TypeError(f"Pipe expects an nn.Sequential module, got {type(module).__name__} (module must be "
+                        "nn.Sequential to be partitioned): wrap the layers in order, Pipe(nn.Sequential(a, b, c)), "
+                        "or list the children of a model whose forward runs them one after another, "
+                        "Pipe(nn.Sequential(*model.children()))")
     seen: dict[int, str] = {}
     for name, child in module._modules.items():  # named_children() would hide the duplicates
         if id(child) in seen:
@@ -31,19 +33,27 @@ def verify_module(module: object) -> None:
 
 
 def check_chunks(value: object, name: str = "chunks") -> int:
-    """A positive int (``bool`` is not one); ``name`` says which argument in the error."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """A positive whole number, as an int: ``42.0`` is 42, as PyTorch's Pipe took ``int(chunks)``; a bool,
+    a string or a fraction is refused. ``name`` says which argument in the error."""
+    whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer()
+    if not whole or value <= 0:  # type: ignore[operator]  # (a real number here)
         hint = ""
         if name == "chunks" and isinstance(value, (list, tuple)):  # torchgpipe's GPipe(module, balance, chunks)
             hint = f" (layers per stage go by keyword: Pipe(module, chunks=..., balance={list(value)!r}))"
+        if name == "chunks":  # PyTorch's wording, which its tests match
+            hint += " (number of chunks must be positive integer)"
         raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
-    return value
+    return int(value)  # type: ignore[call-overload]  # (a whole real number)
 
 
 def check_checkpoint(checkpoint: object) -> str:
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
-    return str(checkpoint)
+    """One of the modes, as a plain ``str`` (a ``str`` subclass or an object whose ``str()`` is one is
+    taken, as PyTorch's Pipe took ``str(checkpoint)``)."""
+    mode = checkpoint if isinstance(checkpoint, str) else str(checkpoint)
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r} "
+                         "(checkpoint is not one of 'always', 'except_last', or 'never')")
+    return str.__str__(mode)
 
 
 def check_balance(balance: Sequence[int], num_layers: int) -> list[int]:

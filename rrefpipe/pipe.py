@@ -14,13 +14,13 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, clip, placement
+from . import _rpc, clip, microbatch, placement
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
 from .driver import RemoteDriver
 from .errors import warn_user
-from .local import LocalDriver
+from .local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
@@ -106,6 +106,9 @@ class Pipe(nn.Module):
         verify_module(module)
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
+        if len(module) == 0:  # PyTorch's Pipe accepted it: forward returns the input
+            self._build_empty()
+            return
         if deferred_batch_norm:
             if not plain_batch_norms(module):
                 warn_user("deferred_batch_norm=True, but the module has no BatchNorm layers to defer (none that "
@@ -144,6 +147,7 @@ class Pipe(nn.Module):
                 if hasattr(self, name) and name not in self._modules:  # included, keep the plain keys
                     raise ValueError(f"layer name {name!r} is taken by an attribute of Pipe; rename the layer")
                 self.add_module(name, layer)
+            warn_in_process(len(stages))
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
         else:
@@ -207,6 +211,17 @@ class Pipe(nn.Module):
         self._local_workers: Any = None
         self._finalizer: weakref.finalize | None = None
 
+    def _build_empty(self) -> None:
+        """An empty ``nn.Sequential``: no stage; forward hands back its input as an RRef, which needs this
+        process in an RPC group (local workers are started for it where RPC is not initialised)."""
+        self.balance = []
+        if not _rpc.is_initialized():
+            _, self._local_workers = placement.stage_workers(1, None, [torch.device("cpu")], [], self.rpc_timeout)
+        self._driver = LocalDriver([], [], chunks=self.chunks, checkpoint=self.checkpoint)
+        if self._local_workers is not None:
+            self._finalizer = weakref.finalize(self, placement.abandoned.append, (self._driver, self._local_workers))
+            self._finalizer.atexit = False
+
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
         n = len(specs)
@@ -231,8 +246,15 @@ class Pipe(nn.Module):
         return driver
 
     # -- running -----------------------------------------------------------------------------------
-    def forward(self, input: TensorOrTensors, *more_inputs: Any) -> rpc.RRef:  # noqa: A002 (the documented name)
+    def forward(self, *inputs: Any) -> rpc.RRef:
         """Run one mini-batch through the pipeline; returns an ``RRef`` to the output.
+
+        ``pipe(x)`` or ``pipe((a, b))`` (one input, PyTorch 1.8's form): a tuple reaches a layer whole,
+        except a layer whose ``forward`` requires two or more arguments, which gets it spread.
+        ``pipe(a, b)`` (several tensors, PyTorch 2.x's form): the first layer is called as ``layer(a, b)``
+        and every tuple between layers is spread, as 2.x did. Every input is split along dim 0 into
+        ``chunks`` micro-batches (2.x's non-tensor inputs and ``NoChunk``, replicated to every
+        micro-batch, are refused).
 
         The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
         where it stays on the last stage's worker (``.to_here()``). Train under
@@ -244,15 +266,13 @@ class Pipe(nn.Module):
             StageError: a stage raised (names stage, worker, micro-batch and cause; the pipe stays
                 usable). ``WorkerError`` (a ``StageError``) when a worker is dead or unreachable.
             ValueError: the input is not on the CPU (stage workers receive it from this process).
-            TypeError: the input is not a tensor or tuple of tensors, or there are several inputs.
+            TypeError: no input; an input that is not a tensor or tuple of tensors; several inputs of which
+                one is not a tensor.
         """
-        if more_inputs:
-            raise TypeError(f"Pipe takes one input, a tensor or a tuple of tensors, and got {1 + len(more_inputs)}: "
-                            "PyTorch 2.x's forward(*inputs) is not carried over; pass one tuple, pipe((a, b)), which "
-                            "reaches the first layer as one argument (PyTorch 1.8's form)")
+        value, spread = microbatch.call_inputs(inputs)
         if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
             placement.release(placement.close_abandoned())
-        return self._driver.forward(input, training=self.training)
+        return self._driver.forward(value, training=self.training, spread=spread)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])``, with failures that name the stage and worker.

@@ -35,38 +35,42 @@ def _layer_count(module: object) -> int:
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTensors, *, timeout: float = 1.0,
-                    device: str | torch.device | None = None) -> list[int]:
+                    device: str | torch.device | None = None, spread: bool = False) -> list[int]:
     """Layer counts per stage that minimise the slowest stage's forward+backward time on ``sample``.
 
     ``sample`` is what one stage sees at a time: a micro-batch (a tensor or a tuple of tensors). Each layer
     is timed on its own, forward then backward, over repeated passes for about ``timeout`` seconds, on
     deep copies on ``device`` (default: where the module's parameters are, else the CPU). The module's
-    parameters, gradients, training flag and the RNG state are unchanged afterwards.
+    parameters, gradients, training flag and the RNG state are unchanged afterwards. Each layer is called
+    as in a pipe (:mod:`rrefpipe.calling`): a tuple whole, or spread for a layer that requires several
+    arguments; ``spread=True`` spreads every tuple, as a pipe called with several inputs does (``sample``
+    then is the tuple of them).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: more ``partitions`` than layers; parameters that already have gradients.
     """
     check_partitions(partitions, _layer_count(module))
-    return solve(layer_times(module, sample, timeout=timeout, device=device), partitions)
+    return solve(layer_times(module, sample, timeout=timeout, device=device, spread=spread), partitions)
 
 
 def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTensors, *,  # noqa: A002
-                    chunks: int = 1, param_scale: float = 2.0, device: str | torch.device | None = None) -> list[int]:
+                    chunks: int = 1, param_scale: float = 2.0, device: str | torch.device | None = None,
+                    spread: bool = False) -> list[int]:
     """Layer counts per stage that minimise the largest stage's memory: activations + parameters.
 
     ``input`` is a mini-batch as given to the pipe, split into ``chunks`` micro-batches; one micro-batch
     is measured. Per layer: the activation bytes it keeps (CUDA: growth of ``memory_allocated`` over its
     forward; CPU: bytes saved for backward, via saved-tensor hooks) plus ``param_scale`` times its
     parameter bytes (2: weights and gradients; 4 for Adam's two extra moments). Runs on deep copies; the
-    module and the RNG state are unchanged.
+    module and the RNG state are unchanged. Layers are called as in :func:`balance_by_time` (``spread``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: more ``partitions`` than layers; parameters that already have gradients.
     """
     check_partitions(partitions, _layer_count(module))
-    sizes = layer_sizes(module, input, chunks=chunks, param_scale=param_scale, device=device)
+    sizes = layer_sizes(module, input, chunks=chunks, param_scale=param_scale, device=device, spread=spread)
     return solve(sizes, partitions)
 
 

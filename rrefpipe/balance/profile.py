@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import microbatch
+from ..calling import call_layer
 from ..microbatch import TensorOrTensors
 from ..skip.tracker import DetachingTracker, use_tracker
 
@@ -34,7 +35,8 @@ def _check_module(module: object) -> nn.Sequential:
     if with_grads:
         shown = ", ".join(with_grads[:5]) + (", ..." if len(with_grads) > 5 else "")
         raise ValueError(f"{len(with_grads)} parameters already have gradients ({shown}); profiling runs backward "
-                         "and would copy them: call module.zero_grad(set_to_none=True) first")
+                         "and would copy them: call module.zero_grad(set_to_none=True) first (some parameter already "
+                         "has gradient)")
     return module
 
 
@@ -94,8 +96,10 @@ def _blamed_on(index: int, layer: nn.Module) -> Iterator[None]:
         raise
 
 
-def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: torch.device) -> list[float]:
-    """One forward+backward of every layer on its own (input: the previous layer's output, detached)."""
+def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: torch.device,
+                spread: bool = False) -> list[float]:
+    """One forward+backward of every layer on its own (input: the previous layer's output, detached), each
+    called as in the pipe (:func:`~rrefpipe.calling.call_layer`)."""
     times = []
     value = _prepare(sample, device, "sample")
     stashes = DetachingTracker()
@@ -104,7 +108,7 @@ def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: to
         _sync(device)
         start = time.perf_counter()
         with _blamed_on(j, layer), use_tracker(stashes):
-            out = layer(value)
+            out = call_layer(layer, value, spread)
             value = _detach(out, f"output of layer {j}")
             outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
             if outputs:
@@ -116,24 +120,25 @@ def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: to
 
 
 def layer_times(module: nn.Sequential, sample: TensorOrTensors, *, timeout: float = 1.0,
-                device: str | torch.device | None = None) -> list[float]:
+                device: str | torch.device | None = None, spread: bool = False) -> list[float]:
     """Seconds of forward+backward per layer on ``sample``: the median over repeated passes.
 
     Each layer runs on its own, on a copy of the previous layer's output (detached, keeping
     ``requires_grad``; skip stashes the same), then backward from a gradient of ones on its outputs that
     require grad. One untimed warm-up pass, then
     passes until ``timeout`` seconds have gone (at least one); the median ignores passes in which another
-    process took the core. Runs on copies (:func:`sandbox`).
+    process took the core. Runs on copies (:func:`sandbox`). ``spread``: layers are called as in a pipe
+    called with several inputs (``sample`` a tuple of them), see :mod:`rrefpipe.calling`.
     """
     if timeout < 0:
         raise ValueError(f"timeout must be non-negative seconds, got {timeout!r}")
     dev = resolve_device(module, device)
     with sandbox(module, dev) as copies:
-        _timed_pass(copies(), sample, dev)
+        _timed_pass(copies(), sample, dev, spread)
         passes: list[list[float]] = []
         start = time.perf_counter()
         while not passes or time.perf_counter() - start < timeout:
-            passes.append(_timed_pass(copies(), sample, dev))
+            passes.append(_timed_pass(copies(), sample, dev, spread))
     return [statistics.median(per_layer) for per_layer in zip(*passes)]
 
 
@@ -160,7 +165,7 @@ def param_bytes(layer: nn.Module) -> int:
 
 
 def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, int]],
-                 copies: dict[tuple[str, int], Tensor], held: list[Tensor]) -> tuple[int, object]:
+                 copies: dict[tuple[str, int], Tensor], held: list[Tensor], spread: bool) -> tuple[int, object]:
     """Run ``layer`` counting the bytes autograd saves for backward: storages not counted before (``seen``),
     not parameters or buffers. ``copies``: by storage, the tensor each input copy stands for (in a pipe a
     layer's input is the previous layer's output itself, maybe a view of a larger storage). What is counted
@@ -179,21 +184,22 @@ def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(value)
+        out = call_layer(layer, value, spread)
     return total, out
 
 
-def _allocated_bytes(layer: nn.Module, value: TensorOrTensors, device: torch.device) -> tuple[int, object]:
+def _allocated_bytes(layer: nn.Module, value: TensorOrTensors, device: torch.device,
+                     spread: bool) -> tuple[int, object]:
     """Run ``layer`` on CUDA; the bytes allocated by its forward and still held after it."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    out = layer(value)
+    out = call_layer(layer, value, spread)
     torch.cuda.synchronize(device)
     return torch.cuda.memory_allocated(device) - before, out
 
 
 def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 1,  # noqa: A002
-                param_scale: float = 2.0, device: str | torch.device | None = None) -> list[int]:
+                param_scale: float = 2.0, device: str | torch.device | None = None, spread: bool = False) -> list[int]:
     """Bytes per layer: activations of one micro-batch plus ``param_scale`` times its parameter bytes.
 
     ``input`` is a mini-batch; the first of its ``chunks`` micro-batches (``torch.chunk`` along dim 0) runs
@@ -202,7 +208,8 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
     (CPU): the bytes of the tensors autograd saves for backward, seen with
     ``torch.autograd.graph.saved_tensors_hooks``, each storage counted once (by the first layer saving it)
     and parameters and buffers left out. ``param_scale`` counts the copies of the parameters training keeps:
-    2 for the weights and their gradients (plain SGD), 3 with momentum, 4 for Adam.
+    2 for the weights and their gradients (plain SGD), 3 with momentum, 4 for Adam. ``spread``: as for
+    :func:`layer_times`.
     """
     if param_scale < 0:
         raise ValueError(f"param_scale must be non-negative, got {param_scale!r}")
@@ -219,9 +226,9 @@ def layer_sizes(module: nn.Sequential, input: TensorOrTensors, *, chunks: int = 
                 copies[storage_key(copy_)] = copies.get(storage_key(original), original)
             with _blamed_on(j, layer), use_tracker(stashes):
                 if dev.type == "cuda":
-                    activation, out = _allocated_bytes(layer, copied, dev)
+                    activation, out = _allocated_bytes(layer, copied, dev, spread)
                 else:
-                    activation, out = _saved_bytes(layer, copied, seen, copies, held)
+                    activation, out = _saved_bytes(layer, copied, seen, copies, held, spread)
                     held.extend(t.detach() for t in microbatch.as_tensors(copied))
             sizes.append(int(activation + param_bytes(layer) * param_scale))
             value = _detach(out, f"output of layer {j}")

@@ -1,6 +1,7 @@
 """The ``@skippable`` decorator and its ``stash``/``pop`` commands, and the checks that skips pair up."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -47,6 +48,10 @@ class Skippable(nn.Module):
         namespaces.update(dict.fromkeys(names, ns))
         self._skip_namespaces = namespaces
         return self
+
+    def __repr__(self) -> str:
+        """As PyTorch's: the module's repr inside ``@skippable(...)``."""
+        return f"@skippable({super().__repr__()})"
 
     def namespaced(self, name: str) -> SkipKey:
         return getattr(self, "_skip_namespaces", {}).get(name, DEFAULT), name
@@ -109,6 +114,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
             raise TypeError(f"@skippable decorates nn.Module classes, got {cls!r}")
         original = cls.forward
 
+        @functools.wraps(original)  # keeps the signature, which says how a tuple reaches the layer (``calling``)
         def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
             if isinstance(result, Generator):
@@ -214,17 +220,29 @@ def _check_pairs(stashes: dict[SkipKey, list[tuple[int, str]]], pops: dict[SkipK
         problems_before = len(problems)
         name = f"{key[1]!r}" + ("" if key[0] == DEFAULT else f" in {key[0]}")
         by, at = stashes.get(key, []), pops.get(key, [])
+
+        def who(place: tuple[int, str]) -> str:  # PyTorch's wording, kept after ours: its tests match it
+            return place[1] if kind == "layer" else f"{kind} {place[1]}"
+
         if len(by) > 1:
+            again = "; ".join(f"{who(p)} redeclared {key[1]!r} as stashable" for p in by[1:])
             problems.append(f"{name} is stashed by {len(by)} {kind}s {_names(by)}: one stash per name "
-                            "(isolate repeated blocks with layer.isolate(Namespace()))")
+                            f"(isolate repeated blocks with layer.isolate(Namespace())) ({again})")
         if len(at) > 1:
-            problems.append(f"{name} is popped by {len(at)} {kind}s {_names(at)}: one pop per name")
+            again = "; ".join(f"{who(p)} redeclared {key[1]!r} as poppable" for p in at[1:])
+            problems.append(f"{name} is popped by {len(at)} {kind}s {_names(at)}: one pop per name ({again})")
         if by and not at:
-            problems.append(f"{name} is stashed by {kind} {_names(by)} but never popped")
+            problems.append(f"{name} is stashed by {kind} {_names(by)} but never popped "
+                            f"(no module declared {key[1]!r} as poppable but stashed)")
         if at and not by:
-            problems.append(f"{name} is popped by {kind} {_names(at)} but never stashed")
-        if len(by) == 1 and len(at) == 1 and (at[0][0] < by[0][0] or (at[0][0] == by[0][0] and not pop_in_place)):
-            problems.append(f"{name} is popped by {kind} {_names(at)} before it is stashed by {kind} {_names(by)}")
+            problems.append(f"{name} is popped by {kind} {_names(at)} but never stashed "
+                            f"({who(at[0])} declared {key[1]!r} as poppable but it was not stashed)")
+        if len(by) == 1 and len(at) == 1 and at[0][0] == by[0][0] and not pop_in_place:
+            problems.append(f"{name} is popped by {kind} {_names(at)} before it is stashed by {kind} {_names(by)} "
+                            f"({who(at[0])} declared {key[1]!r} both as stashable and as poppable)")
+        elif len(by) == 1 and len(at) == 1 and at[0][0] < by[0][0]:
+            problems.append(f"{name} is popped by {kind} {_names(at)} before it is stashed by {kind} {_names(by)} "
+                            f"({who(at[0])} declared {key[1]!r} as poppable but it was not stashed)")
         isolated = isolated or (len(problems) > problems_before and key[0] != DEFAULT)
     if problems:
         raise TypeError("skip connections do not pair up:\n" + "\n".join(f"  - {p}" for p in problems)

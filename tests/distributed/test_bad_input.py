@@ -39,7 +39,6 @@ def lin(n: int = 2) -> nn.Sequential:
 # (id, what to do given the cluster's worker names, exception type, message pattern)
 CONSTRUCTION = [
     ("non-Sequential", lambda w: Pipe(nn.Linear(2, 2)), TypeError, "expects an nn.Sequential module, got Linear"),
-    ("empty Sequential", lambda w: Pipe(nn.Sequential()), ValueError, "non-empty nn.Sequential"),
     ("duplicate children", lambda w: Pipe(_shared_layer()), ValueError, "duplicate children.*'a' and 'b'"),
     ("chunks 0", lambda w: Pipe(lin(), chunks=0), ValueError, "chunks must be a positive int, got 0"),
     ("chunks -1", lambda w: Pipe(lin(), chunks=-1), ValueError, "chunks must be a positive int, got -1"),
