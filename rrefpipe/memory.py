@@ -172,6 +172,7 @@ def start_tracking() -> None:
 
 
 def stop_tracking() -> None:
+    """Stop what :func:`start_tracking` started in this process (nothing if it is not tracking)."""
     global _tracker
     if _tracker is not None:
         _tracker.close()

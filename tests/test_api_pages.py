@@ -1,0 +1,46 @@
+"""The API reference's pages document what the code has: every flag of the command-line parsers, and a
+mkdocstrings directive for the modules of each page."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+API = ROOT / "docs" / "api"
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _flags(*command: str) -> set[str]:
+    """The long options a parser's --help lists (argparse writes each of them there)."""
+    proc = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=dict(os.environ, COLUMNS="100"), check=True)
+    return set(_FLAG.findall(proc.stdout)) - {"--help"}
+
+
+@pytest.mark.parametrize("command", [("-m", "workers"), ("-m", "rrefpipe", "timeline")],
+                         ids=["python -m workers", "python -m rrefpipe timeline"])
+def test_the_workers_page_lists_every_flag_of_the_command_line(command: tuple[str, ...]):
+    page = (API / "workers.md").read_text()
+    flags = _flags(*command)
+    assert flags, f"no flags found in {' '.join(command)} --help"
+    missing = sorted(flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", page))
+    assert not missing, (f"docs/api/workers.md lacks {missing} of `python {' '.join(command)}`: paste its "
+                         "current --help (COLUMNS=100) into the page")
+
+
+def test_the_workers_page_lists_every_command_of_python_m_rrefpipe():
+    proc = subprocess.run([sys.executable, "-m", "rrefpipe", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, check=True)
+    commands = set(re.search(r"\{([a-z,]+)\}", proc.stdout).group(1).split(","))  # type: ignore[union-attr]
+    page = (API / "workers.md").read_text()
+    assert commands and all(f"  {c} " in page for c in commands), commands
+
+
+@pytest.mark.parametrize("page", sorted(API.glob("*.md")), ids=lambda p: p.stem)
+def test_each_api_page_renders_docstrings(page):
+    assert re.search(r"^::: [\w.]+$", page.read_text(), re.MULTILINE), f"{page.name} has no ::: directive"
