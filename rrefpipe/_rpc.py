@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
+from torch.distributed.rpc.internal import _internal_rpc_pickler
 
 __all__: list[str] = []
 
@@ -33,6 +35,15 @@ def wait(future: Any) -> Any:
     future.add_done_callback(lambda _: done.set())
     done.wait()
     return future.wait()
+
+
+def pickle_rref_as(cls: type, rref_of: Callable[[Any], Any]) -> None:
+    """Let instances of ``cls`` travel through RPC calls as the RRef ``rref_of(instance)``.
+
+    torch's RPC pickler finds the reducer of an RRef by its exact type: an instance of a subclass (or
+    a wrapper) would reach pickle's default, which refuses RRefs. Plain ``pickle`` still refuses them."""
+    dispatch = _internal_rpc_pickler._dispatch_table
+    dispatch[cls] = lambda obj: _internal_rpc_pickler._py_rref_reducer(rref_of(obj))
 
 
 def self_name() -> str:
@@ -68,6 +79,15 @@ def send_functions(context_id: int) -> list[Any]:
     context): roots of its backward besides the losses, as distributed autograd counts them."""
     try:
         return list(dist_autograd._retrieve_context(context_id)._send_functions().values())
+    except RuntimeError:
+        return []
+
+
+def received(context_id: int) -> list[Any]:
+    """The autograd nodes of every tensor message this process received in context ``context_id`` (none
+    if it has no such context)."""
+    try:
+        return list(dist_autograd._retrieve_context(context_id)._recv_functions().values())
     except RuntimeError:
         return []
 

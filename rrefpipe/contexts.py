@@ -85,8 +85,13 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
         RuntimeError: a forward failed in the context, a backward ran there already, or the losses
             leave out a forward of any pipe there (nothing is changed: a corrected retry may follow).
     """
+    if not _rpc.context_exists(context_id):
+        raise RuntimeError(f"no dist_autograd context {context_id!r} in this process (its with block has ended?): run "
+                           "forward, loss and backward inside one `with dist_autograd.context() as ctx:` block and "
+                           "call pipe.backward(ctx, loss) there")
     sends = _rpc.send_functions(context_id)
     with _lock:
+        _check_loss_context(context_id, losses)
         entry = _entry(context_id)
         if entry.failed:
             raise RuntimeError(f"a forward of {_whose(entry.failed[0], pipe_id)} failed in autograd context "
@@ -104,6 +109,37 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
         by_pipe, entry.forwards = entry.forwards, {}  # the nodes: the graph is spent
     with torch.enable_grad():  # a zero-size phony's sum: a scalar 0 whose gradient reaches its forward's sends
         return by_pipe, [phony.sum() for phony in unreached]
+
+
+def _check_loss_context(context_id: int, losses: list[Tensor]) -> None:
+    """Refuse losses computed from tensors that arrived over RPC in another context (an old loss kept past
+    its ``with`` block, or a forward run in one context and the backward in another): distributed
+    autograd would fail deep in its engine. The other context is named when a pipe's forward ran there."""
+    here = set(_rpc.received(context_id))
+    seen: set[Any] = set()
+    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
+    foreign = False
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        foreign = foreign or (node.name().endswith("RecvRpcBackward") and node not in here)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    if not foreign:
+        return
+    origins = [other for other, entry in _contexts.items() if other != context_id and any(
+        node in seen for record in entry.forwards.values() for nodes in record.outputs for node in nodes)]
+    if origins:
+        state = "still open" if _rpc.context_exists(origins[-1]) else "its with block has ended"
+        what = f"the loss was computed from the output of a forward run in autograd context {origins[-1]} ({state})"
+    else:
+        what = "the loss uses tensors that arrived over RPC in another autograd context"
+    raise RuntimeError(f"{what}, and the backward is asked of context {context_id}: a backward reaches the stages "
+                       "only through the context of the forward. Run forward, loss and backward in the same block:\n"
+                       "    with dist_autograd.context() as ctx:\n"
+                       "        loss = loss_fn(pipe(x).local_value(), y)\n"
+                       "        pipe.backward(ctx, loss)")
 
 
 def _whose(pipe_id: str, caller: str) -> str:

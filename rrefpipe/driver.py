@@ -24,6 +24,7 @@ from . import _rpc, autocast, contexts, control, diagnosis, microbatch, server
 from .dependency import arrival, new_phony
 from .errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
+from .output import PipeRRef, RemotePipeRRef
 from .schedule import checkpoint_stop
 from .server import StageSpec
 from .skip.layout import route
@@ -244,7 +245,7 @@ class RemoteDriver:
         self.infos, self._placed = [], 0
 
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> rpc.RRef:
+    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> PipeRRef | RemotePipeRRef:
         self._check_open()
         batches = microbatch.scatter(value, self.chunks)
         for t in microbatch.as_tensors(value):
@@ -255,7 +256,11 @@ class RemoteDriver:
         if torch.is_grad_enabled() and not grad_enabled and training and not self._warned_no_context:
             self._warned_no_context = True
             warn_user("Pipe forward in training mode outside dist_autograd.context(): stages run without autograd "
-                      "and no gradients will reach them")
+                      "and no gradients will reach them. To train, run forward, loss and backward in one context:\n"
+                      "    with dist_autograd.context() as ctx:\n"
+                      "        loss = loss_fn(pipe(x).local_value(), y)\n"
+                      "        pipe.backward(ctx, loss)\n"
+                      "For inference, run the forward under torch.no_grad() or after pipe.eval()")
         with self._lock:  # steps run one at a time: stages rely on it to order micro-batches
             step = next(self._steps)
             meta = StepMeta(
@@ -291,8 +296,8 @@ class RemoteDriver:
             last = len(self.infos) - 1
             if forwards is not None and collector.phony is None:
                 forwards.remote += 1
-            return rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
-                              timeout=self.rpc_timeout)
+            return RemotePipeRRef(rpc.remote(self.workers[last], server.take_output, args=(self.pipe_id, last, step),
+                                             timeout=self.rpc_timeout))
         if collector.output is None:
             raise RuntimeError(f"pipe {self.pipe_id}: the output of step {step} never arrived")
         if forwards is not None:
@@ -300,7 +305,7 @@ class RemoteDriver:
             if nodes:
                 forwards.outputs.append(nodes)
                 _refuse_local_backward(collector.output)
-        return rpc.RRef(collector.output)
+        return PipeRRef(collector.output)
 
     def _warn_no_gradient_output(self) -> None:
         if not self._warned_no_gradient_output:

@@ -10,11 +10,11 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 from . import _rpc, clip, grad_scaler, microbatch
 from .microbatch import TensorOrTensors
+from .output import PipeRRef
 from .schedule import checkpoint_stop, clock_cycles
 from .skip.layout import route
 from .skip.tracker import SkipKey
@@ -87,12 +87,12 @@ class LocalDriver:
     def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
         return [grad_scaler.unscale(self._gradients(context_id), inv_scale)]
 
-    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> rpc.RRef:
+    def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> PipeRRef:
         if self.closed:
             raise RuntimeError("this Pipe is closed; build a new Pipe")
         if not self.stages:  # an empty nn.Sequential: the input is the output, as in PyTorch's Pipe
             microbatch.check(value, "Pipe input")
-            return rpc.RRef(tuple(value) if isinstance(value, list) else value)
+            return PipeRRef(tuple(value) if isinstance(value, list) else value)
         batches = microbatch.scatter(value, self.chunks)
         m, grad = len(batches), torch.is_grad_enabled()
         meta = StepMeta(step=next(self._steps), chunks=m,
@@ -107,7 +107,7 @@ class LocalDriver:
                 out = stage.run(meta, i, values[i], (), received)
                 values[i] = out.value
                 skips[i].update(out.skips)
-        return rpc.RRef(microbatch.gather(values))
+        return PipeRRef(microbatch.gather(values))
 
     def events(self, clear: bool) -> list[Event]:
         return [e for stage in self.stages for e in stage.recorder.snapshot(clear)]

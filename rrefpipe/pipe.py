@@ -22,6 +22,7 @@ from .driver import RemoteDriver
 from .errors import warn_user
 from .local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
+from .output import PipeRRef, RemotePipeRRef
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
 from .seeding import driver_seed
@@ -246,7 +247,7 @@ class Pipe(nn.Module):
         return driver
 
     # -- running -----------------------------------------------------------------------------------
-    def forward(self, *inputs: Any) -> rpc.RRef:
+    def forward(self, *inputs: Any) -> PipeRRef | RemotePipeRRef:
         """Run one mini-batch through the pipeline; returns an ``RRef`` to the output.
 
         ``pipe(x)`` or ``pipe((a, b))`` (one input, PyTorch 1.8's form): a tuple reaches a layer whole,
