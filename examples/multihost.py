@@ -1,18 +1,21 @@
 """Train through a pipeline whose stage workers run on several hosts, launched with torchrun.
 
 One script for every process of the job: rank 0 is the driver (it runs the training loop), every other
-rank serves one pipeline stage and exits when the driver is done. Two hosts x N processes, HOST0 being
-the first host's address on the network the hosts share and IFACE the interface on that network:
+rank serves one pipeline stage and exits when the driver is done. Two hosts x N processes, HOST0 and
+HOST1 being the hosts' addresses on the network they share; each host names its own interface on that
+network (IFACE0, IFACE1: a name such as eth1, or the host's address):
 
     # on host 0 (rank 0 = driver, ranks 1..N-1 = stage workers)
     torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST0:29400 --rdzv-id job1 \\
-        --rdzv-conf is_host=1 --local-addr HOST0 examples/multihost.py --interface IFACE
+        --rdzv-conf is_host=1 --local-addr HOST0 examples/multihost.py --interface IFACE0
     # on host 1 (ranks N..2N-1 = stage workers)
     torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST0:29400 --rdzv-id job1 \\
-        --rdzv-conf is_host=0 --local-addr HOST1 examples/multihost.py --interface IFACE
+        --rdzv-conf is_host=0 --local-addr HOST1 examples/multihost.py --interface IFACE1
 
-That is 2N-1 stages. On one host, for a try: ``torchrun --standalone --nproc-per-node 3 examples/multihost.py``
-(MASTER_ADDR is loopback, so everything binds to ``lo``). ``--cuda`` puts the stage of each rank on
+That is 2N-1 stages; only host 0 prints results. A host that never comes leaves the other waiting for
+torchrun's join_timeout (600 s; ``--rdzv-conf is_host=1,join_timeout=120`` shortens it). On one host,
+for a try: ``torchrun --standalone --nproc-per-node 3 examples/multihost.py`` (MASTER_ADDR is loopback,
+so everything binds to ``lo``). ``--cuda`` puts the stage of each rank on
 ``cuda:LOCAL_RANK`` (modulo the host's GPUs: on one GPU every stage shares ``cuda:0``), activations going
 GPU to GPU between hosts through TensorPipe device maps.
 
