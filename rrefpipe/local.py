@@ -45,8 +45,8 @@ def warn_in_process(stages: int) -> None:
     _warned_in_process = True
     warnings.warn(f"RPC is initialised with world size 1, so this Pipe runs its {stages} stage(s) in this process, "
                   "one after another, as PyTorch's Pipe did: no stage workers. For stage workers, leave out "
-                  "rpc.init_rpc (rrefpipe then starts local ones), or start them (python -m rrefpipe.workers, "
-                  "torchrun) and init_rpc with their world size; see the porting guide. (This warning comes once; "
+                  "rpc.init_rpc (rrefpipe then starts local ones), or start them (python -m workers, torchrun) "
+                  "and init_rpc with their world size; see the porting guide. (This warning comes once; "
                   "silence it with warnings.filterwarnings('ignore', category=rrefpipe.InProcessWarning).)",
                   InProcessWarning, stacklevel=3)
 
