@@ -19,6 +19,8 @@ from types import TracebackType
 
 import torch.distributed.rpc as rpc
 
+from rrefpipe._cpp_log import QUIET_ENV
+
 from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, device_name, init_rpc,
                       maps_to_later_workers)
 from .rendezvous import local_url, watching
@@ -97,7 +99,7 @@ class LocalWorkers:
                                "first, or name its workers with Pipe(..., workers=[...])")
         port = free_port()
         init_method = local_url("127.0.0.1", port, self.startup_timeout)  # gives up on a worker that died
-        env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
+        env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", **QUIET_ENV)
         # Stage work runs on many RPC/autograd threads; glibc's per-thread arenas then keep returning
         # memory to the OS and page-faulting it back (ResNet-style, m=8: 321 -> 259 ms per step).
         env.setdefault("MALLOC_ARENA_MAX", "1")

@@ -28,6 +28,8 @@ from typing import NoReturn, TextIO
 import torch
 import torch.distributed.rpc as rpc
 
+from rrefpipe._cpp_log import quiet_cpp_warnings, quiet_from_now
+
 from .options import STAGE_INTEROP_THREADS, init_rpc
 
 __all__ = ["serve", "request_stop", "alive", "stop_workers"]
@@ -37,7 +39,9 @@ _stop = threading.Event()
 
 
 def request_stop() -> None:
-    """RPC target: ask this worker to leave the group."""
+    """RPC target: ask this worker to leave the group. From now on its peers leaving is expected: their
+    TensorPipe "EOF" warnings are dropped (``rrefpipe._cpp_log``)."""
+    quiet_from_now()
     _stop.set()
 
 
@@ -233,7 +237,13 @@ def _leave(graceful: bool, timeout: float, status: int = 0) -> NoReturn:
 
 
 def stop_workers(names: list[str], timeout: float = 2.0) -> None:
-    """From a driver: ask ``names`` to leave, then leave the group non-gracefully (never hangs)."""
+    """From a driver: ask ``names`` to leave, then leave the group non-gracefully (never hangs). The
+    TensorPipe warnings each leaving worker causes ("encountered error ... EOF") are dropped meanwhile."""
+    with quiet_cpp_warnings():
+        _stop_workers(names, timeout)
+
+
+def _stop_workers(names: list[str], timeout: float) -> None:
     futures = []
     for name in names:
         try:
