@@ -80,7 +80,9 @@ def module_device(module: nn.Module, where: str) -> torch.device | None:
     devices = {t.device for t in [*module.parameters(), *module.buffers()]}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"{where} has parameters on several devices ({names}); all of one stage must be on one device")
+        raise ValueError(f"{where} has parameters on several devices ({names}); all of one stage must be on one device "
+                         "(should have all parameters on a single device, please use .to() to place the module on a "
+                         "single device)")
     return next(iter(devices), None)
 
 
@@ -122,7 +124,8 @@ def check_unshared(stages: Sequence[nn.Module]) -> None:
                 k, first = owners[id(param)]
                 raise ValueError(f"parameter {name!r} of stage {j} is parameter {first!r} of stage {k}: stages on "
                                  "separate workers cannot share parameters (tied weights); put the layers that "
-                                 "share it in one stage (balance=...)")
+                                 "share it in one stage (balance=...) (module with duplicate parameters on distinct "
+                                 "devices is not supported)")
             owners.setdefault(id(param), (j, name))
 
 

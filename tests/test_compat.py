@@ -29,6 +29,8 @@ def test_public_module_paths():
     (nn.Sequential(nn.Linear(2, 2)), {"chunks": 2.5}, ValueError, "number of chunks must be positive integer"),
     (nn.Sequential(nn.Linear(2, 2)), {"chunks": True}, ValueError, "chunks must be a positive int, got True"),
     (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta")), {"balance": [2]}, ValueError,
+     r"should have all parameters on a single device, please use \.to\(\) to place the module on a single device"),
+    (nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta")), {"balance": [2]}, ValueError,
      "stage 0 has parameters on several devices"),
 ])
 def test_documented_errors_before_any_worker_starts(module, kwargs, error, message):
@@ -346,3 +348,14 @@ def test_port_from_torch_pipe_example_trains_like_the_plain_model():
                           capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "ported: 3 steps on 2 stage workers, weights equal to the plain model's" in proc.stdout
+
+
+def test_shared_parameters_across_stages_wording():
+    from rrefpipe.partition import check_unshared
+
+    shared = nn.Linear(2, 2)
+    holder = nn.Module()
+    holder.inner = shared
+    with pytest.raises(ValueError, match="module with duplicate parameters on distinct devices is not supported"):
+        check_unshared([nn.Sequential(shared), nn.Sequential(holder)])
+    check_unshared([nn.Sequential(shared, holder)])  # in one stage: fine
