@@ -359,3 +359,28 @@ def test_shared_parameters_across_stages_wording():
     with pytest.raises(ValueError, match="module with duplicate parameters on distinct devices is not supported"):
         check_unshared([nn.Sequential(shared), nn.Sequential(holder)])
     check_unshared([nn.Sequential(shared, holder)])  # in one stage: fine
+
+
+def test_empty_pipe_without_rpc_gives_back_its_input():
+    """PyTorch's test_empty_module, where rrefpipe starts the RPC group itself: the input comes back as
+    the RRef's value, several inputs as their tuple, a non-tensor is refused; close() leaves RPC down."""
+    from tests.conftest import run_script
+
+    proc = run_script("""
+        import pytest, torch
+        from torch import nn
+        from rrefpipe import Pipe, _rpc
+
+        pipe = Pipe(nn.Sequential(), chunks=2)
+        x = torch.tensor(42)
+        assert pipe(x).local_value() is x and pipe.stages == [] and len(pipe) == 0
+        a, b = torch.ones(2), torch.zeros(2)
+        out = pipe(a, b).local_value()
+        assert isinstance(out, tuple) and out[0] is a and out[1] is b
+        with pytest.raises(TypeError):
+            pipe(42)
+        pipe.close()
+        assert not _rpc.is_initialized()
+        print("ok")
+    """, timeout=60)
+    assert "ok" in proc.stdout
