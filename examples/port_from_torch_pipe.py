@@ -88,8 +88,8 @@ def main() -> None:
     model = build()
     plain = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(16, 8, generator=g), torch.rand(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g))
-               for _ in range(args.steps)]
+    batches = [(torch.randn(16, 8, generator=g), torch.rand(16, 8, generator=g),
+                torch.randint(0, 4, (16,), generator=g)) for _ in range(args.steps)]
 
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     with Pipe(model, chunks=4, balance=[2, 2]) as pipe:  # two stages, each on its own local worker

@@ -42,8 +42,8 @@ def call_inputs(inputs: tuple[object, ...]) -> tuple[TensorOrTensors, bool]:
         return inputs[0], False  # type: ignore[return-value]  # (checked where it is split)
     for k, value in enumerate(inputs):
         if not isinstance(value, Tensor):
-            raise TypeError(f"Pipe input {k} of {len(inputs)} is a {type(value).__name__}: every input must be a Tensor, "
-                            "split along dim 0 into micro-batches. PyTorch 2.x's non-tensor inputs and NoChunk "
+            raise TypeError(f"Pipe input {k} of {len(inputs)} ({type(value).__name__}) is not a Tensor: every "
+                            "input must be one, split along dim 0 into micro-batches. PyTorch 2.x's non-tensor inputs and NoChunk "
                             "(copied whole into every micro-batch) are not carried over: give such values to the "
                             "layers when you build them, or expand a tensor to the batch size")
     return tuple(inputs), True  # type: ignore[arg-type]  # (all tensors, checked above)

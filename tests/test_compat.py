@@ -101,7 +101,8 @@ def test_verify_skippables_wordings_of_pytorch_2_3():
         pass
 
     cases = [
-        ([Stash()], ["'foo' is stashed by layer '0' but never popped", "no module declared 'foo' as poppable but stashed"]),
+        ([Stash()], ["'foo' is stashed by layer '0' but never popped",
+                     "no module declared 'foo' as poppable but stashed"]),
         ([Pop()], ["'foo' is popped by layer '0' but never stashed",
                    "'0' declared 'foo' as poppable but it was not stashed"]),
         ([Pop(), Stash()], ["'0' declared 'foo' as poppable but it was not stashed"]),
