@@ -43,9 +43,9 @@ def call_inputs(inputs: tuple[object, ...]) -> tuple[TensorOrTensors, bool]:
     for k, value in enumerate(inputs):
         if not isinstance(value, Tensor):
             raise TypeError(f"Pipe input {k} of {len(inputs)} ({type(value).__name__}) is not a Tensor: every "
-                            "input must be one, split along dim 0 into micro-batches. PyTorch 2.x's non-tensor inputs and NoChunk "
-                            "(copied whole into every micro-batch) are not carried over: give such values to the "
-                            "layers when you build them, or expand a tensor to the batch size")
+                            "input must be one, split along dim 0 into micro-batches. PyTorch 2.x's non-tensor inputs "
+                            "and NoChunk (copied whole into every micro-batch) are not carried over: give such values "
+                            "to the layers when you build them, or expand a tensor to the batch size")
     return tuple(inputs), True  # type: ignore[arg-type]  # (all tensors, checked above)
 
 

@@ -63,7 +63,8 @@ def test_styles_differ_where_a_layer_may_take_one_argument(cluster):
 
 def test_several_inputs_checked_and_empty_pipe(cluster):
     with Pipe(nn.Sequential(nn.Linear(2, 2)), workers=cluster.names[:1]) as pipe:
-        with pytest.raises(TypeError, match=r"Pipe input 1 of 2 \(int\) is not a Tensor: every input must be one, split.*NoChunk"):
+        message = r"Pipe input 1 of 2 \(int\) is not a Tensor: every input must be one, split.*NoChunk"
+        with pytest.raises(TypeError, match=message):
             pipe(torch.ones(2, 2), 3)
         with pytest.raises(TypeError, match="Pipe needs an input"):
             pipe()
