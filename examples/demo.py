@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import GradScaler, Pipe
+from rrefpipe.__main__ import CHECKPOINT_HELP
 
 
 def make_model(width: int, depth: int, classes: int) -> nn.Sequential:
@@ -84,20 +85,26 @@ def train_plain(model: nn.Module, batches: Batches, lr: float, amp: str = "none"
     return loss.item()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages = local worker processes")
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=2,
+                   help="pipeline stages = local worker processes (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default: %(default)s)")
     p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"],
-                   help="micro-batches that recompute their forward in backward (default: except_last)")
-    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
-    p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
-    p.add_argument("--width", type=int, default=128, help="width of the hidden layers (default: 128)")
-    p.add_argument("--lr", type=float, default=0.03, help="SGD learning rate, momentum 0.9 (default: 0.03)")
+                   help=CHECKPOINT_HELP)
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: %(default)s)")
+    p.add_argument("--width", type=int, default=128, help="width of the hidden layers (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=0.03, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
     p.add_argument("--amp", choices=["none", *DTYPES], default="none",
                    help="mixed precision: the forward under torch.autocast in that dtype on the stages; float16 "
-                        "also scales the loss with rrefpipe.GradScaler (default: none)")
-    args = p.parse_args()
+                        "also scales the loss with rrefpipe.GradScaler (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """``prog``: the name --help gives (``python -m rrefpipe demo`` passes its own)."""
+    args = parser(prog).parse_args(argv)
 
     torch.manual_seed(0)
     classes = 5

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
 
 from rrefpipe import Pipe, memory
+from rrefpipe.__main__ import CHECKPOINT_HELP
 from rrefpipe.balance import balance_cost, layer_sizes, layer_times, stage_costs
 from rrefpipe.partition import uniform_balance
 
@@ -100,7 +101,7 @@ class Result:
 
 
 def train(mode: str, step: Callable[[Tensor, Tensor], float], data: tuple[Tensor, Tensor, Tensor, Tensor],
-          args: argparse.Namespace, before_last: Callable[[], None] = lambda: None) -> Result:
+          args: argparse.Namespace, before_last: Callable[[], object] = lambda: None) -> Result:
     """Run the epochs with ``step(x, y) -> loss``; tqdm shows samples/s. Evaluation is separate."""
     x_train, y_train = data[0], data[1]
     result = Result(mode)
@@ -231,33 +232,40 @@ def report(results: list[Result], test_size: int) -> None:
         print(f"  accuracy difference pipe vs plain: {diff * 100:.2f} points")
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """``prog``: the name --help gives (``python -m rrefpipe tutorial`` passes its own)."""
+    return parser(prog).parse_args(argv)
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["plain", "pipe", "both"], default="both",
                    help="train in one process, through the pipeline, or both for comparison (default: both)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = local worker processes (default: 2)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default: 4)")
     p.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default: 64)")
     p.add_argument("--checkpoint", choices=["always", "except_last", "never"], default="except_last",
-                   help="micro-batches that recompute their forward in backward (default: except_last)")
+                   help=CHECKPOINT_HELP)
     p.add_argument("--balance-by", choices=["time", "size", "uniform"], default="time",
                    help="layers per stage from measured forward+backward time, from memory (activations + "
                         "2x parameters), or evenly by layer count (default: time)")
     p.add_argument("--profile-seconds", type=float, default=0.5,
                    help="how long --balance-by time profiles the layers (default: 0.5)")
     p.add_argument("--epochs", type=int, default=8, help="passes over the 1,437 training images (default: 8)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop each run after this many steps (0: no limit)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop each run after this many steps (default: 0, no limit)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu, or cuda: stage j on GPU j modulo the GPU count; the plain run on cuda:0")
+                   help="cpu, or cuda: stage j on GPU j modulo the GPU count; the plain run on cuda:0 "
+                        "(default: cpu)")
     p.add_argument("--threads", type=int, default=0,
-                   help="intra-op threads of the plain run (0: PyTorch's default, all cores; each local stage "
-                        "worker gets cores / stages)")
+                   help="intra-op threads of the plain run (default: 0, PyTorch's default, all cores; each local "
+                        "stage worker gets cores / stages)")
     p.add_argument("--width", type=int, default=16, help="channels of the first blocks (default: 16)")
     p.add_argument("--blocks", type=int, default=2, help="residual blocks per resolution (default: 2)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: 0.05)")
     p.add_argument("--bf16", action="store_true", help="forward under torch.autocast in bfloat16 (both runs)")
     p.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="MAX",
-                   help="clip the gradients' total norm to MAX before each step (0: no clipping)")
+                   help="clip the gradients' total norm to MAX before each step (default: 0, no clipping)")
     p.add_argument("--seed", type=int, default=0, help="weights, split and batch order (default: 0)")
     p.add_argument("--deferred-batch-norm", action="store_true",
                    help="pipe: BatchNorm running statistics over the whole mini-batch, not per micro-batch")
@@ -265,11 +273,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pipe: write the last step's schedule to PREFIX.json (Chrome/Perfetto) and PREFIX.png")
     p.add_argument("--results-json", metavar="PATH", default=None, help="also write the results as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (epoch lines still print)")
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: list[str] | None = None) -> list[Result]:
-    args = parse(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> list[Result]:
+    args = parse(argv, prog)
     torch.manual_seed(args.seed)
     data = digits(args.seed)
     model = resnet(args.width, args.blocks)

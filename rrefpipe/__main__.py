@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,48 +12,54 @@ __all__ = ["main"]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-DESCRIPTION = """\
-commands:
-  demo       the smallest end-to-end job: an MLP trained on local stage workers, checked against plain
-             PyTorch (examples/demo.py; its flags follow the command, `demo --help` lists them)
-  tutorial   the GPipe tutorial: a ResNet-style classifier on scikit-learn's digits, trained plainly and
-             through the pipeline; accuracy, samples/s, memory per stage worker (examples/tutorial.py;
-             `tutorial --help` lists its flags; needs pip install -e '.[tutorial]')
-  timeline   run a few steps of a small pipeline and draw its schedule: PREFIX.json (Chrome/Perfetto
-             trace) and PREFIX.png (one row per stage), or redraw a saved trace (--from-json)
-"""
+#: The ``--checkpoint`` help of the commands and examples that train a pipe: what Pipe's checkpoint does.
+CHECKPOINT_HELP = ("micro-batches that keep only their input and recompute their forward for backward: always, "
+                   "except_last (all but the last) or never. CPU stages before the last recompute while they wait "
+                   "for the gradient; the last stage and GPU stages recompute in backward (default: %(default)s)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks (examples of commands); option help is wrapped."""
 
 
 def _run_example(name: str, argv: Sequence[str]) -> None:
-    """Run ``examples/NAME.py`` as ``__main__`` with ``argv`` (the examples live in a source checkout)."""
+    """Run ``examples/NAME.py``'s ``main(argv, prog)`` (the examples live in a source checkout).
+
+    Imported as module ``NAME`` from the examples folder, which goes first on ``sys.path`` as it would
+    for ``python examples/NAME.py``: the examples import each other, and the stage workers (which take
+    this process's ``sys.path``) import the example's classes from there."""
     script = EXAMPLES / f"{name}.py"
     if not script.is_file():
         raise SystemExit(f"{script} not found: the examples are in rrefpipe's source checkout, not in the "
                          "installed package; install with `pip install -e .` from a checkout")
-    saved = sys.argv
-    sys.argv = [f"python -m rrefpipe {name}", *argv]
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = saved
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    module.main(list(argv), prog=f"python -m rrefpipe {name}")
 
 
 def _timeline_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("timeline", help="draw the schedule of a small pipeline (or of a saved trace)",
+    p = sub.add_parser("timeline", help="run a few steps of a small pipeline and draw its schedule: PREFIX.json "
+                       "(Chrome/Perfetto trace) and PREFIX.png (one row per stage), or redraw a saved trace",
                        description="Run a few training steps of an MLP on local stage workers and draw the last "
                        "step: PREFIX.json for chrome://tracing or https://ui.perfetto.dev, PREFIX.png with one "
                        "row per stage, one box per forward/recompute/backward of micro-batch i.")
     p.add_argument("--out", metavar="PREFIX", default="rrefpipe-timeline",
-                   help="where to write PREFIX.json and PREFIX.png (default: rrefpipe-timeline)")
+                   help="where to write PREFIX.json and PREFIX.png (default: %(default)s)")
     p.add_argument("--from-json", metavar="TRACE", help="redraw the PNG of a trace written earlier; runs nothing")
-    p.add_argument("--stages", type=int, default=3, help="pipeline stages = local worker processes (default: 3)")
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default: 4)")
+    p.add_argument("--stages", type=int, default=3,
+                   help="pipeline stages = local worker processes (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default: %(default)s)")
     p.add_argument("--checkpoint", choices=["always", "except_last", "never"], default="except_last",
-                   help="micro-batches that recompute their forward in backward (default: except_last)")
-    p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default: 3)")
-    p.add_argument("--batch-size", type=int, default=256, help="mini-batch size (default: 256)")
-    p.add_argument("--width", type=int, default=512, help="width of the MLP's layers (default: 512)")
-    p.add_argument("--layers-per-stage", type=int, default=2, help="Linear+ReLU pairs per stage (default: 2)")
+                   help=CHECKPOINT_HELP)
+    p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=256, help="mini-batch size (default: %(default)s)")
+    p.add_argument("--width", type=int, default=512, help="width of the MLP's layers (default: %(default)s)")
+    p.add_argument("--layers-per-stage", type=int, default=2,
+                   help="Linear+ReLU pairs per stage (default: %(default)s)")
 
 
 def _timeline(args: argparse.Namespace) -> None:
@@ -85,18 +91,29 @@ def _timeline(args: argparse.Namespace) -> None:
     print(f"wrote {json_path} (open in https://ui.perfetto.dev or chrome://tracing) and {png_path}")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rrefpipe", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,tutorial,timeline}", required=True)
-    sub.add_parser("demo", add_help=False, help="run examples/demo.py (flags after the command; demo --help)")
-    sub.add_parser("tutorial", add_help=False, help="run examples/tutorial.py (flags after it; tutorial --help)")
+def parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per task, each listed once in ``--help``."""
+    p = argparse.ArgumentParser(prog="python -m rrefpipe", formatter_class=HelpFormatter,
+                                description="rrefpipe's commands; `python -m rrefpipe COMMAND --help` lists a "
+                                "command's flags.")
+    sub = p.add_subparsers(dest="command", title="commands", required=True)
+    sub.add_parser("demo", add_help=False,
+                   help="the smallest end-to-end job: an MLP trained on local stage workers, checked against plain "
+                   "PyTorch (examples/demo.py)")
+    sub.add_parser("tutorial", add_help=False,
+                   help="the GPipe tutorial: a ResNet-style classifier on scikit-learn's digits, trained plainly and "
+                   "through the pipeline (examples/tutorial.py; needs pip install -e '.[tutorial]')")
     _timeline_parser(sub)
-    args, rest = parser.parse_known_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser_ = parser()
+    args, rest = parser_.parse_known_args(argv)
     if args.command in ("demo", "tutorial"):
         _run_example(args.command, rest)
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        parser_.error(f"unrecognized arguments: {' '.join(rest)}")
     else:
         try:
             _timeline(args)

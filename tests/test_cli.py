@@ -1,16 +1,21 @@
 """``python -m rrefpipe``: every flag explained in --help; the timeline command writes both files."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+from argparse import SUPPRESS
+from types import ModuleType
 
 import pytest
 from PIL import Image
 
-from rrefpipe.__main__ import main
+from rrefpipe.__main__ import CHECKPOINT_HELP, main, parser
 from tests.conftest import ROOT
+from workers.__main__ import parser as workers_parser
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -43,6 +48,52 @@ def test_help_explains_every_flag(command):
     if not command:
         for name in ("demo", "tutorial", "timeline"):
             assert name in text
+
+
+def test_help_lists_each_command_once():
+    text = cli("--help").stdout
+    for name in ("demo", "tutorial", "timeline"):
+        entries = [line for line in text.splitlines() if re.match(rf"^\s+{name}\s{{2,}}\S", line)]
+        assert len(entries) == 1, text
+
+
+@pytest.mark.parametrize("name", ["demo", "tutorial"])
+def test_example_help_names_the_command_that_ran_it(name):
+    assert cli(name, "--help").stdout.startswith(f"usage: python -m rrefpipe {name} [-h]")
+    proc = subprocess.run([sys.executable, f"examples/{name}.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert proc.stdout.startswith(f"usage: {name}.py [-h]")
+
+
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_cli_test_{name}", ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    timeline = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["timeline"]
+    return {"timeline": timeline, "demo": _example("demo").parser(), "tutorial": _example("tutorial").parser(),
+            "workers": workers_parser()}
+
+
+@pytest.mark.parametrize("name", ["timeline", "demo", "tutorial", "workers"])
+def test_option_help_shows_the_default(name):
+    actions = [a for a in _parsers()[name]._actions if a.option_strings and a.default not in (None, False, SUPPRESS)]
+    assert actions
+    assert [a.option_strings[0] for a in actions if "default" not in (a.help or "").lower()] == []
+
+
+@pytest.mark.parametrize("name", ["timeline", "demo", "tutorial"])
+def test_checkpoint_help_says_where_stages_recompute(name):
+    """As Pipe's docstring and rrefpipe.stage have it: CPU stages before the last recompute ahead of backward."""
+    (action,) = [a for a in _parsers()[name]._actions if "--checkpoint" in a.option_strings]
+    assert action.help == CHECKPOINT_HELP
+    assert "CPU stages before the last recompute while they wait for the gradient" in CHECKPOINT_HELP
+    assert "the last stage and GPU stages recompute in backward" in CHECKPOINT_HELP
 
 
 def test_unknown_arguments_are_rejected(capsys):

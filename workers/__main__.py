@@ -17,7 +17,7 @@ from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, STAGE_INTEROP_THREA
 from .rendezvous import local_url
 from .serve import serve
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "parser"]
 
 
 def _env_int(key: str) -> int | None:
@@ -26,38 +26,51 @@ def _env_int(key: str) -> int | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workers", description="Serve rrefpipe stages as an RPC worker.")
-    p.add_argument("--rank", type=int, default=_env_int("RANK"), help="rank in the RPC group (env RANK)")
-    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"), help="group size (env WORLD_SIZE)")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="rendezvous address (env MASTER_ADDR; default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"), help="rendezvous port (env MASTER_PORT)")
-    p.add_argument("--name", help="worker name (default worker<rank>)")
-    p.add_argument("--driver", default="driver", help="name of the driver to watch (default: driver)")
-    p.add_argument("--interface", metavar="NAME_OR_ADDRESS",
-                   help="network interface to bind and advertise, or an address of this host (the interface holding "
-                   "it); sets TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME. Default: lo when the master is loopback, else "
-                   "TP_SOCKET_IFNAME if set, else TensorPipe's guess (with a warning)")
-    p.add_argument("--threads", type=int, help="intra-op threads for this worker (torch.set_num_threads)")
-    p.add_argument("--interop-threads", type=int, default=STAGE_INTEROP_THREADS,
-                   help=f"inter-op threads, where backward runs (default {STAGE_INTEROP_THREADS}: see workers.options)")
-    p.add_argument("--num-worker-threads", type=int, default=STAGE_RPC_THREADS,
-                   help=f"RPC thread pool size (default {STAGE_RPC_THREADS}: see workers.options)")
-    p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT, help="seconds per RPC")
-    p.add_argument("--transport", action="append", help="TensorPipe transport (repeatable; default uv)")
-    p.add_argument("--channel", action="append", help="TensorPipe channel (repeatable; default: TensorPipe's choice)")
-    p.add_argument("--device", action="append", help="a device this worker uses (repeatable, e.g. cuda:0)")
-    p.add_argument("--device-map", action="append", default=[], metavar="PEER=SRC>DST",
-                   help="send tensors on SRC to PEER's DST device, e.g. worker2=cuda:0>cuda:1 (repeatable)")
-    p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes (used by local launching)")
-    p.add_argument("--rendezvous", choices=("env", "local"), default="env",
-                   help="env (default): torch's, at the master's address; local: for a LocalWorkers driver, which "
-                   "watches its worker processes while they join (used by local launching)")
+    p = parser()
     args = p.parse_args(argv)
     for key in ("rank", "world_size", "master_port"):
         if getattr(args, key) is None:
             p.error(f"--{key.replace('_', '-')} is required (or set {key.upper()} as torchrun does)")
     return args
+
+
+def parser() -> argparse.ArgumentParser:
+    """``python -m workers``'s flags; defaults from the environment ``torchrun`` sets, read now."""
+    p = argparse.ArgumentParser(prog="python -m workers", description="Serve rrefpipe stages as an RPC worker.")
+    p.add_argument("--rank", type=int, default=_env_int("RANK"), help="rank in the RPC group (default: env RANK)")
+    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"),
+                   help="group size (default: env WORLD_SIZE)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="rendezvous address (default: env MASTER_ADDR, else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+                   help="rendezvous port (default: env MASTER_PORT)")
+    p.add_argument("--name", help="worker name (default: worker<rank>)")
+    p.add_argument("--driver", default="driver", help="name of the driver to watch (default: %(default)s)")
+    p.add_argument("--interface", metavar="NAME_OR_ADDRESS",
+                   help="network interface to bind and advertise, or an address of this host (the interface holding "
+                   "it); sets TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME. Default: lo when the master is loopback, else "
+                   "TP_SOCKET_IFNAME if set, else TensorPipe's guess (with a warning)")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads for this worker (torch.set_num_threads; default: PyTorch's, one per core)")
+    p.add_argument("--interop-threads", type=int, default=STAGE_INTEROP_THREADS,
+                   help="inter-op threads, where backward runs (default: %(default)s, see workers.options)")
+    p.add_argument("--num-worker-threads", type=int, default=STAGE_RPC_THREADS,
+                   help="RPC thread pool size (default: %(default)s, see workers.options)")
+    p.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT,
+                   help="seconds an RPC may take (default: %(default)s)")
+    p.add_argument("--transport", action="append", help="TensorPipe transport (repeatable; default: uv)")
+    p.add_argument("--channel", action="append", help="TensorPipe channel (repeatable; default: TensorPipe's choice)")
+    p.add_argument("--device", action="append",
+                   help="a device this worker uses (repeatable, e.g. cuda:0; default: none, the CPU only)")
+    p.add_argument("--device-map", action="append", default=[], metavar="PEER=SRC>DST",
+                   help="send tensors on SRC to PEER's DST device, e.g. worker2=cuda:0>cuda:1 (repeatable; default: "
+                   "none)")
+    p.add_argument("--watch-stdin", action="store_true",
+                   help="exit when stdin closes (used by local launching; default: off)")
+    p.add_argument("--rendezvous", choices=("env", "local"), default="env",
+                   help="env (default): torch's, at the master's address; local: for a LocalWorkers driver, which "
+                   "watches its worker processes while they join (used by local launching)")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
