@@ -13,12 +13,13 @@ PyTorch 2.x called the first layer as ``layer(*inputs)`` and spread every tuple 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["needs_spread", "call_layer", "run_layers"]
+__all__ = ["needs_spread", "call_layer", "run_layers", "LayerSequence", "as_layer_sequence"]
 
 _one_argument: dict[type, bool] = {}  # by layer class: whether its forward can take a single argument
 
@@ -66,3 +67,22 @@ def run_layers(layers: Iterable[nn.Module], value: Any, spread: bool) -> Any:
         else:
             value = call_layer(layer, value, spread)
     return value
+
+
+class LayerSequence(nn.Sequential):
+    """A stage's layers: an ``nn.Sequential`` whose forward runs them by :func:`run_layers`. Called as a
+    module, so hooks on it (and module-wide ones, such as :mod:`rrefpipe.memory`'s) see the stage's input."""
+
+    def forward(self, input: Any, spread: bool = False) -> Any:  # noqa: A002 (nn.Sequential's name)
+        return run_layers(self, input, spread)
+
+
+def as_layer_sequence(module: nn.Sequential) -> LayerSequence:
+    """``module`` itself as a :class:`LayerSequence` where it is a plain ``nn.Sequential`` (its class is
+    changed: the same object, layers and state-dict keys), else a LayerSequence of its children."""
+    if isinstance(module, LayerSequence):
+        return module
+    if type(module) is nn.Sequential:
+        module.__class__ = LayerSequence
+        return module  # type: ignore[return-value]  # (its class is LayerSequence now)
+    return LayerSequence(OrderedDict(module.named_children()))

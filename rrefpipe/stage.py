@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from . import autocast, microbatch
 from .autocast import AutocastRegion
 from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .calling import run_layers
+from .calling import as_layer_sequence
 from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
 from .errors import Failure
 from .dependency import arrival, fence, hop, join, mark, new_phony
@@ -96,7 +96,7 @@ class Stage:
         self.last = last  # its output leaves the pipe (see ``dependency.hop``)
         self.device = device
         self.worker = worker
-        self.module = module.to(device)
+        self.module = as_layer_sequence(module).to(device)  # runs its layers by the call rule (calling)
         self.recorder = Recorder(index, worker)
         self.routes = SkipRoutes({}, frozenset())
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
@@ -237,10 +237,10 @@ class Stage:
             try:
                 with running_stats_frozen(self._plain_norms if again else ()):
                     if not self._skippable:  # the common case: no tracker to install
-                        return run_layers(self.module, value, spread)
+                        return self.module(value, spread=spread)
                     router = StageRouter(self.routes, received, recomputing=again)
                     with use_tracker(router):
-                        out = run_layers(self.module, value, spread)
+                        out = self.module(value, spread=spread)
                 if not again:
                     outgoing.update(router.outgoing)
                 return out

@@ -385,3 +385,22 @@ def test_empty_pipe_without_rpc_gives_back_its_input():
         print("ok")
     """, timeout=60)
     assert "ok" in proc.stdout
+
+
+def test_stage_layers_run_as_one_module_call():
+    """A stage's nn.Sequential becomes a LayerSequence (the same object, keys and layers) called as a module,
+    so its forward hooks, and module-wide ones such as memory tracking's, see the stage's input and output."""
+    from rrefpipe.calling import LayerSequence, as_layer_sequence
+
+    model = nn.Sequential(AddPair(), Twin(), AddPair())
+    seen = []
+    model.register_forward_hook(lambda module, args, out: seen.append((args, out)))
+    same = as_layer_sequence(model)
+    assert same is model and isinstance(model, LayerSequence) and list(model.state_dict()) == []
+    x = torch.ones(2)
+    pair = (x, x)
+    torch.testing.assert_close(model(pair), 4 * x)
+    torch.testing.assert_close(model(pair, spread=True), 4 * x)
+    assert len(seen) == 2 and seen[0][0] == (pair,)
+    other = as_layer_sequence(type("Mine", (nn.Sequential,), {})(nn.Linear(2, 2)))
+    assert type(other) is LayerSequence and len(other) == 1
