@@ -13,6 +13,7 @@ from torch import nn
 
 from rrefpipe import Pipe
 from rrefpipe.output import PipeRRef, RemotePipeRRef
+from tests.conftest import run_script
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,3 +136,31 @@ def test_backward_of_a_loss_from_another_context_says_what_happened(cluster):
             norm = pipe.clip_grad_norm_(open_one, float("inf"))
         F.cross_entropy(model(x), y).backward()
         torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+
+
+def test_in_a_world_of_one_the_output_says_the_same():
+    """Stages in this process (RPC initialised with world size 1, PyTorch 1.8's way): the same RRef class."""
+    proc = run_script("""
+        import os, warnings
+        import torch, torch.nn.functional as F
+        import torch.distributed.rpc as rpc
+        from torch import nn
+        import workers
+        from rrefpipe import Pipe
+        from rrefpipe.output import PipeRRef
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()))
+        rpc.init_rpc("solo", rank=0, world_size=1)
+        warnings.simplefilter("ignore")
+        pipe = Pipe(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3)), chunks=2)
+        out = pipe(torch.randn(4, 4))
+        assert isinstance(out, PipeRRef) and isinstance(out, rpc.RRef)
+        try:
+            F.cross_entropy(out, torch.tensor([0, 1, 2, 0]))
+        except TypeError as exc:
+            print(exc)
+        F.cross_entropy(out.local_value(), torch.tensor([0, 1, 2, 0])).backward()  # PyTorch 1.8's way works
+        rpc.shutdown()
+    """)
+    assert "cross_entropy() was given a PipeRRef: pipe(x) returns an RRef" in proc.stdout
+    assert "pipe(x).local_value()" in proc.stdout
