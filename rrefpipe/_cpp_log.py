@@ -46,29 +46,48 @@ def _level_flag() -> ctypes.c_int | None:
 def quiet_cpp_warnings() -> Iterator[None]:
     """Drop torch's C++ warnings in this block (nested and concurrent blocks allowed); errors still
     show. Where the level cannot be changed, the first block explains the warnings once instead."""
-    global _depth, _saved, _explained
+    quieted = _quiet()
+    try:
+        yield
+    finally:
+        if quieted:
+            _unquiet()
+        else:
+            _explain()
+
+
+def quiet_from_now() -> None:
+    """Drop torch's C++ warnings for the rest of this process's life: a stage worker told to leave."""
+    if not _quiet():
+        _explain()
+
+
+def _quiet() -> bool:
+    """Raise the level to errors (counted); False where the flag cannot be found."""
+    global _depth, _saved
     flag = _level_flag()
     if flag is None:
-        yield
-        if not _explained:
-            _explained = True
-            print("rrefpipe: TensorPipe's 'encountered error ... EOF' lines at shutdown are the stage workers "
-                  "leaving, not a failure", file=sys.stderr, flush=True)
-        return
+        return False
     with _lock:
         if _depth == 0:
             _saved = flag.value
             flag.value = max(_saved, _ERROR)
         _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                flag.value = _saved
+    return True
 
 
-def quiet_from_now() -> None:
-    """Drop torch's C++ warnings for the rest of this process's life: a stage worker told to leave."""
-    quiet_cpp_warnings().__enter__()
+def _unquiet() -> None:
+    global _depth
+    flag = _level_flag()
+    with _lock:
+        _depth -= 1
+        if _depth == 0 and flag is not None:
+            flag.value = _saved
+
+
+def _explain() -> None:
+    global _explained
+    if not _explained:
+        _explained = True
+        print("rrefpipe: TensorPipe's 'encountered error ... EOF' lines at shutdown are the stage workers leaving, "
+              "not a failure", file=sys.stderr, flush=True)

@@ -26,6 +26,29 @@ def test_quiet_block_raises_the_cpp_level_and_restores_it():
     assert flag.value == before
 
 
+def test_a_worker_told_to_leave_stays_quiet():
+    """``quiet_from_now`` lasts: a context manager entered by hand would be undone when collected."""
+    proc = run_script("""
+        import gc
+        from rrefpipe import _cpp_log
+        _cpp_log.quiet_from_now()
+        gc.collect()
+        print(_cpp_log._level_flag().value)
+    """)
+    assert proc.stdout.strip() == "2"
+
+
+def test_torchrun_job_ends_without_shutdown_noise():
+    """Under torchrun the workers are not started by rrefpipe (no TORCH_CPP_LOG_LEVEL): both sides quiet
+    themselves when the driver stops the group."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                           "examples/multihost.py", "--steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "plain PyTorch, same seed" in proc.stdout
+    assert [line for line in proc.stderr.splitlines() if any(word in line for word in NOISE + ("won't send",))] == []
+
+
 def test_demo_ends_without_shutdown_noise():
     proc = subprocess.run([sys.executable, "examples/demo.py", "--steps", "3"], cwd=ROOT, capture_output=True,
                           text=True, timeout=110)
