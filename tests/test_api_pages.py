@@ -22,8 +22,10 @@ def _flags(*command: str) -> set[str]:
     return set(_FLAG.findall(proc.stdout)) - {"--help"}
 
 
-@pytest.mark.parametrize("command", [("-m", "workers"), ("-m", "rrefpipe", "timeline")],
-                         ids=["python -m workers", "python -m rrefpipe timeline"])
+_COMMANDS = [("-m", "workers"), ("-m", "rrefpipe", "timeline"), ("-m", "rrefpipe", "demo"), ("-m", "rrefpipe", "tutorial")]
+
+
+@pytest.mark.parametrize("command", _COMMANDS, ids=[" ".join(c[1:]) for c in _COMMANDS])
 def test_the_workers_page_lists_every_flag_of_the_command_line(command: tuple[str, ...]):
     page = (API / "workers.md").read_text()
     flags = _flags(*command)
