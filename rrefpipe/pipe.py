@@ -258,7 +258,9 @@ class Pipe(nn.Module):
         micro-batch, are refused).
 
         The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
-        where it stays on the last stage's worker (``.to_here()``). Train under
+        where it stays on the last stage's worker (``.to_here()``). The RRef is a
+        :class:`~rrefpipe.output.PipeRRef` (an ``rpc.RRef``), or a :class:`~rrefpipe.output.RemotePipeRRef`
+        that wraps the remote one; used as a tensor, either says which of the two calls to add. Train under
         ``dist_autograd.context()`` and call ``pipe.backward(ctx, loss)`` (or
         ``dist_autograd.backward(ctx, [loss])``); outside a context a training-mode forward warns
         once, as no gradients could reach the stages.
