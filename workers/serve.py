@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn, TextIO
 
@@ -32,15 +33,21 @@ from rrefpipe._cpp_log import quiet_cpp_warnings, quiet_from_now
 
 from .options import STAGE_INTEROP_THREADS, init_rpc
 
-__all__ = ["serve", "request_stop", "alive", "stop_workers"]
+__all__ = ["serve", "prepare_stop", "request_stop", "alive", "stop_workers"]
 
 log = logging.getLogger("rrefpipe.workers")
 _stop = threading.Event()
 
 
+def prepare_stop() -> None:
+    """RPC target: the group is about to stop, so peers leaving is expected from now on: their TensorPipe
+    "EOF" warnings are dropped (``rrefpipe._cpp_log``). A round of its own before :func:`request_stop`,
+    since the first worker to leave would otherwise reach a peer that has not been told yet."""
+    quiet_from_now()
+
+
 def request_stop() -> None:
-    """RPC target: ask this worker to leave the group. From now on its peers leaving is expected: their
-    TensorPipe "EOF" warnings are dropped (``rrefpipe._cpp_log``)."""
+    """RPC target: ask this worker to leave the group (quieted as by :func:`prepare_stop`)."""
     quiet_from_now()
     _stop.set()
 
@@ -244,15 +251,24 @@ def stop_workers(names: list[str], timeout: float = 2.0) -> None:
 
 
 def _stop_workers(names: list[str], timeout: float) -> None:
-    futures = []
+    answered = _call_each(names, prepare_stop, timeout)  # every worker quiet before the first one leaves
+    _call_each(answered, request_stop, timeout)  # one that did not answer is gone, or leaves with its driver
+    rpc.shutdown(graceful=False)
+
+
+def _call_each(names: list[str], target: Callable[[], None], timeout: float) -> list[str]:
+    """Call ``target`` on every worker at once; the names of those that answered."""
+    futures = {}
     for name in names:
         try:
-            futures.append(rpc.rpc_async(name, request_stop, timeout=timeout))
-        except Exception:
-            pass
-    for future in futures:
-        try:
-            future.wait()
+            futures[name] = rpc.rpc_async(name, target, timeout=timeout)
         except Exception:
             pass  # a worker that is already gone counts as stopped
-    rpc.shutdown(graceful=False)
+    answered = []
+    for name, future in futures.items():
+        try:
+            future.wait()
+            answered.append(name)
+        except Exception:
+            pass
+    return answered
