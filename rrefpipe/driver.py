@@ -134,7 +134,8 @@ class RemoteDriver:
             verify_stage_skips(skips)  # stages built from factories: nothing checked the whole model
             routes = route(skips)
             for j, stage_routes in enumerate(routes):
-                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, reported=False)
+                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, deliver, keep_phony,
+                           reported=False)
         except BaseException:
             self.close()
             raise

@@ -41,6 +41,10 @@ __all__: list[str] = []
 
 Status = Failure | None  # what a receive future resolves to: None when the micro-batch made it through
 Arrival = tuple[int, TensorOrTensors, Tensor | None, frozenset[SkipKey]]  # (i, value, phony, skips sent as None)
+# The driver's RPC targets for the last stage's outputs (``driver.deliver``, ``driver.keep_phony``), given to
+# every stage by ``connect``: the driver sits above this module, which never imports it.
+Deliver = Callable[[str, int, TensorOrTensors, Tensor | None, Tensor | None], None]
+KeepPhony = Callable[[str, int, Tensor], None]
 
 
 @dataclass
@@ -132,6 +136,8 @@ class StageServer:
                            last=self.is_last)
         self.stream = StageStream(self.stage.device)
         self.workers: list[str] = []
+        self.deliver: Deliver | None = None  # set by ``connect``, as ``workers`` is
+        self.keep_phony: KeepPhony | None = None
         self.traffic: dict[str, list[int]] = {"activation": [0, 0], "skip": [0, 0]}  # kind -> [tensors, bytes]
         self._lock = threading.Lock()
         self._step = -1
@@ -293,7 +299,7 @@ class StageServer:
                 self._kept_phonies.append(out.phony)
             if job.i == job.meta.chunks - 1 and self._kept_phonies:  # (see ``_deliver``)
                 phony, self._kept_phonies = torch.cat(self._kept_phonies), []
-                sends.append(self._send(job, None, _driver_keep_phony, (self.pipe_id, job.meta.step, phony)))
+                sends.append(self._send(job, None, self.keep_phony, (self.pipe_id, job.meta.step, phony)))
         else:
             value, copied = to_host(out.value)  # the driver keeps its tensors on the CPU
             self._outputs[job.i] = _Output(value, out.phony, copied)
@@ -353,7 +359,7 @@ class StageServer:
         if any(t.requires_grad for t in microbatch.as_tensors(gathered)):  # the driver's backward answers
             with torch.enable_grad():  # which of these tensors the loss used (``dependency.arrival``)
                 gathered, sent_with = hop(gathered, [], None, masked=True)
-        return self._send(job, None, _driver_deliver, (self.pipe_id, job.meta.step, gathered, phony, sent_with))
+        return self._send(job, None, self.deliver, (self.pipe_id, job.meta.step, gathered, phony, sent_with))
 
     def _outbound(self, value: TensorOrTensors, stage: int | None) -> TensorOrTensors:
         """``value`` as sent to stage ``stage`` (None: the driver), ready to send. TensorPipe sends a CUDA
@@ -470,11 +476,14 @@ def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
 
 
 @rpc.functions.async_execution
-def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes) -> Future[None]:
-    """Tell a stage where every stage lives and where its skips go; open those connections now (the
-    first message between two TensorPipe peers pays the connection set-up). Never blocks an RPC thread."""
+def connect(pipe_id: str, index: int, workers: list[str], routes: SkipRoutes, deliver: Deliver,
+            keep_phony: KeepPhony) -> Future[None]:
+    """Tell a stage where every stage lives, where its skips go and which functions of the driver take
+    the outputs; open those connections now (the first message between two TensorPipe peers pays the
+    connection set-up). Never blocks an RPC thread."""
     server = _server(pipe_id, index)
     server.workers = list(workers)
+    server.deliver, server.keep_phony = deliver, keep_phony
     server.stage.routes = routes
     peers = {workers[index + 1]} if index + 1 < len(workers) else set()
     peers |= {workers[k] for k in routes.outgoing.values()}
@@ -539,16 +548,3 @@ def take_output(pipe_id: str, index: int, step: int) -> TensorOrTensors:
 
 def _carries_gradient(value: TensorOrTensors) -> bool:
     return any(t.requires_grad for t in microbatch.as_tensors(value))
-
-
-def _driver_keep_phony(pipe_id: str, step: int, phony: Tensor) -> None:
-    from .driver import keep_phony  # runs on the driver; imported lazily to keep the module graph acyclic
-
-    keep_phony(pipe_id, step, phony)
-
-
-def _driver_deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None,
-                    sent_with: Tensor | None) -> None:
-    from .driver import deliver  # runs on the driver; imported lazily to keep the module graph acyclic
-
-    deliver(pipe_id, step, value, phony, sent_with)  # the phony's receive node joins the step to the driver's graph
