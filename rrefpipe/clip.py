@@ -3,7 +3,8 @@
 
 Each stage reduces its own gradients to one norm where they are, the driver combines the norms into
 the total (the norm of all gradients as one vector, as ``clip_grad_norm_`` takes it), and each stage
-scales its gradients in the context in place, where ``DistributedOptimizer.step`` then reads them.
+scales its gradients in the context in place, where ``DistributedOptimizer.step`` then reads them
+(the stages' part is in :mod:`rrefpipe.gradients`; this is the driver's).
 Norms are taken in float32 at least (torch takes a bfloat16 norm of bfloat16 gradients).
 """
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed.autograd as dist_autograd
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = ["as_number", "context_gradients", "gradient_norm", "total_norm", "clip_coefficient", "scale"]
+__all__ = ["as_number", "total_norm", "clip_coefficient"]
 
 
 def as_number(name: str, value: object, *, positive: bool) -> float:
@@ -26,20 +26,6 @@ def as_number(name: str, value: object, *, positive: bool) -> float:
     if not (number > 0 if positive else number >= 0):
         raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
     return number
-
-
-def context_gradients(module: nn.Module, context_id: int) -> list[Tensor]:
-    """The gradients of ``module``'s parameters in the context (those that got one), in place."""
-    grads = dist_autograd.get_gradients(context_id)
-    return [grads[p] for p in module.parameters() if p in grads]
-
-
-def gradient_norm(grads: Sequence[Tensor], norm_type: float) -> Tensor | None:
-    """The ``norm_type`` norm of ``grads`` taken together as a 0-dim CPU tensor, or ``None`` for none."""
-    if not grads:
-        return None
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type).cpu()
 
 
 def total_norm(norms: Sequence[Tensor | None], norm_type: float) -> Tensor:
@@ -57,8 +43,3 @@ def clip_coefficient(total: Tensor, max_norm: float, norm_type: float, error_if_
                            "be clipped; pass error_if_nonfinite=False to clip anyway")
     coefficient = max_norm / (norm + 1e-6)
     return None if coefficient >= 1.0 else coefficient  # nan compares False: scaled, as torch does
-
-
-def scale(grads: list[Tensor], factor: float) -> None:
-    if grads:  # _foreach_mul_ refuses an empty list (a stage without parameters, or all frozen)
-        torch._foreach_mul_(grads, factor)

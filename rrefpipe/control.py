@@ -15,7 +15,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from . import _rpc, clip, grad_scaler
+from . import _rpc, gradients
 from .errors import Failure
 from .server import _server
 from .trace import Event
@@ -43,7 +43,7 @@ def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -
     """The norm of this stage's gradients in the context, after backward's last kernels."""
     server = _server(pipe_id, index)
     with server.stream.running():
-        return clip.gradient_norm(clip.context_gradients(server.stage.module, context_id), norm_type)
+        return gradients.gradient_norm(gradients.context_gradients(server.stage.module, context_id), norm_type)
 
 
 def _rewrite_gradients(pipe_id: str, index: int, context_id: int, rewrite: Callable[[list[Tensor]], T]) -> T:
@@ -51,18 +51,18 @@ def _rewrite_gradients(pipe_id: str, index: int, context_id: int, rewrite: Calla
     step runs on another stream and is ordered only after backward's writes, not after these."""
     server = _server(pipe_id, index)
     with server.stream.running():
-        result = rewrite(clip.context_gradients(server.stage.module, context_id))
+        result = rewrite(gradients.context_gradients(server.stage.module, context_id))
     server.stream.settle()
     return result
 
 
 def scale_gradients(pipe_id: str, index: int, context_id: int, factor: float) -> None:
-    _rewrite_gradients(pipe_id, index, context_id, lambda grads: clip.scale(grads, factor))
+    _rewrite_gradients(pipe_id, index, context_id, lambda grads: gradients.scale(grads, factor))
 
 
 def unscale_gradients(pipe_id: str, index: int, context_id: int, inv_scale: float) -> bool:
     """Whether any of this stage's gradients held an inf or a nan (they are unscaled all the same)."""
-    return _rewrite_gradients(pipe_id, index, context_id, lambda grads: grad_scaler.unscale(grads, inv_scale))
+    return _rewrite_gradients(pipe_id, index, context_id, lambda grads: gradients.unscale(grads, inv_scale))
 
 
 def convert(pipe_id: str, index: int, dtype: torch.dtype | None, memory_format: torch.memory_format | None) -> None:

@@ -8,46 +8,26 @@ gradients live in a distributed autograd context on the stage workers, and ``Dis
 steps them there. So each stage unscales its own gradients in the context, in place, on its worker
 and says whether it found an inf or a nan; the driver skips the step on every worker when any stage
 did, so that the stages never step apart. The scale stays on the driver, where the loss is. The
-arithmetic (a float32 scale, torch's own update op) and the ``state_dict`` are torch's.
+arithmetic (a float32 scale, torch's own update op) and the ``state_dict`` are torch's. The stages'
+part, ``unscale``, is in :mod:`rrefpipe.gradients`: stage workers import it without the ``Pipe``.
 """
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import _rpc
+from .pipe import Pipe
 
-if TYPE_CHECKING:  # stage workers import unscale() (rrefpipe.control): the Pipe is imported where it is needed
+if TYPE_CHECKING:
     from torch.distributed.optim import DistributedOptimizer  # 0.7 s of imports (FSDP, DTensor, sympy)
 
-    from .pipe import Pipe
-
-__all__ = ["GradScaler", "unscale"]
+__all__ = ["GradScaler"]
 
 Outputs = TypeVar("Outputs", Tensor, list[Tensor], tuple[Tensor, ...])
-
-
-def unscale(grads: Sequence[Tensor], inv_scale: float) -> bool:
-    """Multiply ``grads`` by ``inv_scale`` in place; whether any of them held an inf or a nan."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for grad in grads:
-        if grad.dtype == torch.float16:
-            raise ValueError("cannot unscale float16 gradients (as torch.amp.GradScaler cannot): keep the "
-                             "parameters in float32 and run the forward under torch.autocast")
-        if grad.is_sparse:
-            raise TypeError("sparse gradients cannot be unscaled by rrefpipe.GradScaler")
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    found = False
-    for (device, _), group in groups.items():  # torch's kernel takes one device and dtype at a time
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)  # float32 whatever the default dtype
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
-        found = bool(found_inf.item()) or found
-    return found
 
 
 class GradScaler:
@@ -70,8 +50,6 @@ class GradScaler:
 
     def __init__(self, pipe: Pipe, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
-        from .pipe import Pipe
-
         if not isinstance(pipe, Pipe):
             raise TypeError(f"GradScaler scales the gradients of a rrefpipe.Pipe's stages, got {type(pipe).__name__}")
         if not init_scale > 0:

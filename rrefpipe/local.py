@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _rpc, clip, grad_scaler, microbatch
+from . import _rpc, gradients, microbatch
 from .microbatch import TensorOrTensors
 from .output import PipeRRef
 from .schedule import checkpoint_stop, clock_cycles
@@ -76,16 +76,16 @@ class LocalDriver:
         return [stage.info() for stage in self.stages]
 
     def _gradients(self, context_id: int) -> list[Tensor]:
-        return [g for stage in self.stages for g in clip.context_gradients(stage.module, context_id)]
+        return [g for stage in self.stages for g in gradients.context_gradients(stage.module, context_id)]
 
     def gradient_norms(self, context_id: int, norm_type: float) -> list[Tensor | None]:
-        return [clip.gradient_norm(self._gradients(context_id), norm_type)]
+        return [gradients.gradient_norm(self._gradients(context_id), norm_type)]
 
     def scale_gradients(self, context_id: int, factor: float) -> None:
-        clip.scale(self._gradients(context_id), factor)
+        gradients.scale(self._gradients(context_id), factor)
 
     def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
-        return [grad_scaler.unscale(self._gradients(context_id), inv_scale)]
+        return [gradients.unscale(self._gradients(context_id), inv_scale)]
 
     def forward(self, value: TensorOrTensors, *, training: bool, spread: bool = False) -> PipeRRef:
         if self.closed:

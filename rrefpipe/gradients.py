@@ -1,0 +1,51 @@
+"""A stage's gradients in a ``dist_autograd`` context, where they are: collected, reduced to a norm,
+scaled and unscaled in place (what each stage runs for :mod:`rrefpipe.clip` and
+:class:`rrefpipe.GradScaler`; the driver's side of both sits above the pipe).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import Tensor, nn
+
+__all__ = ["context_gradients", "gradient_norm", "scale", "unscale"]
+
+
+def context_gradients(module: nn.Module, context_id: int) -> list[Tensor]:
+    """The gradients of ``module``'s parameters in the context (those that got one), in place."""
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads[p] for p in module.parameters() if p in grads]
+
+
+def gradient_norm(grads: Sequence[Tensor], norm_type: float) -> Tensor | None:
+    """The ``norm_type`` norm of ``grads`` taken together as a 0-dim CPU tensor, or ``None`` for none."""
+    if not grads:
+        return None
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type).cpu()
+
+
+def scale(grads: list[Tensor], factor: float) -> None:
+    if grads:  # _foreach_mul_ refuses an empty list (a stage without parameters, or all frozen)
+        torch._foreach_mul_(grads, factor)
+
+
+def unscale(grads: Sequence[Tensor], inv_scale: float) -> bool:
+    """Multiply ``grads`` by ``inv_scale`` in place; whether any of them held an inf or a nan."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for grad in grads:
+        if grad.dtype == torch.float16:
+            raise ValueError("cannot unscale float16 gradients (as torch.amp.GradScaler cannot): keep the "
+                             "parameters in float32 and run the forward under torch.autocast")
+        if grad.is_sparse:
+            raise TypeError("sparse gradients cannot be unscaled by rrefpipe.GradScaler")
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    found = False
+    for (device, _), group in groups.items():  # torch's kernel takes one device and dtype at a time
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)  # float32 whatever the default dtype
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
+        found = bool(found_inf.item()) or found
+    return found
