@@ -9,6 +9,9 @@ PyTorch 2.x called the first layer as ``layer(*inputs)`` and spread every tuple 
 * ``pipe(x)`` or ``pipe((a, b))``, one input: 1.8 style, ``spread=False``: a tuple reaches a layer whole,
   except a layer whose ``forward`` cannot take one argument (two or more required positional
   parameters), which gets it spread, so 2.x single-input models that pass ``(x, mask)`` on also run.
+
+``Pipe(..., call_style="2.x")`` spreads every call, one input included: 2.x's rule exactly, for 2.x
+models whose layers take ``*args`` or an optional second argument, which the signature cannot tell.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["needs_spread", "call_layer", "run_layers", "LayerSequence", "as_layer_sequence"]
+__all__ = ["CALL_STYLES", "check_call_style", "needs_spread", "call_layer", "run_layers", "LayerSequence", "as_layer_sequence"]
+
+CALL_STYLES = ("auto", "2.x")
 
 _one_argument: dict[type, bool] = {}  # by layer class: whether its forward can take a single argument
 
@@ -35,11 +40,31 @@ def _takes_one_argument(forward: Callable[..., Any]) -> bool:
     return len(required) <= 1
 
 
+def check_call_style(style: object) -> str:
+    """``style`` if it is one of :data:`CALL_STYLES`, else ``ValueError`` saying what each means."""
+    if style not in CALL_STYLES:
+        raise ValueError(f"call_style must be 'auto' (PyTorch 1.8's whole tuples for a call with one input, 2.x's "
+                         f"spread ones for several) or '2.x' (every tuple spread, as PyTorch 2.x), got {style!r}")
+    return str(style)
+
+
+def _unwrapped(layer: nn.Module) -> nn.Module:
+    """The module a wrapper calls: ``torch.compile``'s and ``checkpoint_wrapper``'s forward take ``*args``,
+    which says nothing about the wrapped layer's parameters."""
+    for attribute in ("_orig_mod", "_checkpoint_wrapped_module"):
+        inner = getattr(layer, attribute, None)
+        if isinstance(inner, nn.Module):
+            return _unwrapped(inner)
+    return layer
+
+
 def needs_spread(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward requires two or more positional arguments (so a tuple must be spread).
 
     Read from the signature (``@skippable`` keeps the decorated forward's), once per class unless the
-    instance has a ``forward`` of its own."""
+    instance has a ``forward`` of its own. A ``torch.compile``d or ``checkpoint_wrapper``ed layer is read
+    through to the layer it wraps."""
+    layer = _unwrapped(layer)
     if "forward" in vars(layer):
         return not _takes_one_argument(layer.forward)
     cls = type(layer)
@@ -59,10 +84,10 @@ def call_layer(layer: nn.Module, value: Any, spread: bool) -> Any:
 def run_layers(layers: Iterable[nn.Module], value: Any, spread: bool) -> Any:
     """Run ``layers`` in order, each on the previous one's output, through :func:`call_layer`.
 
-    In 2.x style a plain ``nn.Sequential`` among them is run layer by layer, as 2.x flattened nested
-    ``nn.Sequential`` modules into its partitions (its own hooks then do not run)."""
+    In 2.x style an ``nn.Sequential`` among them (a subclass too) is run layer by layer, as 2.x flattened
+    nested ``nn.Sequential`` modules into its partitions (its own forward and hooks then do not run)."""
     for layer in layers:
-        if spread and type(layer) is nn.Sequential:
+        if spread and isinstance(layer, nn.Sequential):
             value = run_layers(layer, value, spread)
         else:
             value = call_layer(layer, value, spread)

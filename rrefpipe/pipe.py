@@ -14,7 +14,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, clip, microbatch, placement
+from . import _rpc, calling, clip, microbatch, placement
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
@@ -78,7 +78,12 @@ class Pipe(nn.Module):
         microbatches_per_message: micro-batches a stage sends to the next in one message. More saves
             each hop a request, a reply and a gradient message per extra micro-batch, and delays the
             next stage's start by as many micro-batches: worth it with many small micro-batches (see
-            README, Performance). Stages in this process (RPC world of one) send no messages.
+            the guide's Performance page). Stages in this process (RPC world of one) send no messages.
+        call_style: how a tuple reaches a layer. ``'auto'``: a call with one input, ``pipe(x)`` or
+            ``pipe((a, b))``, passes tuples whole (PyTorch 1.8), except to a layer whose ``forward``
+            requires two or more arguments; a call with several, ``pipe(a, b)``, spreads every tuple
+            (PyTorch 2.x). ``'2.x'``: every call spreads every tuple, as 2.x did, for 2.x models whose
+            layers take ``*args`` or optional arguments.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or its skippable layers do not match
@@ -102,11 +107,12 @@ class Pipe(nn.Module):
         remote_output: bool = False,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         microbatches_per_message: int = 1,
+        call_style: str = "auto",
     ) -> None:
         super().__init__()
         verify_module(module)
         verify_skippables(module)
-        self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
+        self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style)
         if len(module) == 0:  # PyTorch's Pipe accepted it: forward returns the input
             self._build_empty()
             return
@@ -116,7 +122,8 @@ class Pipe(nn.Module):
                           "tracks running statistics)")
             module = defer_batch_norms(module, self.chunks)
         if isinstance(balance, str):  # 'time' | 'size': profile now, one stage per device (or worker)
-            balance = balance_for_pipe(balance, module, sample, chunks=self.chunks, workers=workers, devices=devices)
+            balance = balance_for_pipe(balance, module, sample, chunks=self.chunks, workers=workers, devices=devices,
+                                       spread=self.call_style == "2.x")
         if balance is not None:
             balance = check_balance(balance, len(module))
             stage_devices = placement.stage_devices(devices, len(balance)) or [
@@ -170,6 +177,7 @@ class Pipe(nn.Module):
         remote_output: bool = False,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         microbatches_per_message: int = 1,
+        call_style: str = "auto",
     ) -> Pipe:
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
@@ -189,7 +197,7 @@ class Pipe(nn.Module):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
-        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message)
+        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style)
         stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         seed = driver_seed()
         specs = [placement.stage_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
@@ -200,13 +208,14 @@ class Pipe(nn.Module):
         return pipe
 
     def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float,
-                   microbatches_per_message: int) -> None:
+                   microbatches_per_message: int, call_style: str) -> None:
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         real = isinstance(rpc_timeout, numbers.Real) and not isinstance(rpc_timeout, bool)
         if not real or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be positive seconds, got {rpc_timeout!r}")
         self.microbatches_per_message = check_chunks(microbatches_per_message, "microbatches_per_message")
+        self.call_style = calling.check_call_style(call_style)
         self.remote_output = remote_output
         self.rpc_timeout = float(rpc_timeout)
         self._local_workers: Any = None
@@ -275,7 +284,7 @@ class Pipe(nn.Module):
         value, spread = microbatch.call_inputs(inputs)
         if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
             placement.release(placement.close_abandoned())
-        return self._driver.forward(value, training=self.training, spread=spread)
+        return self._driver.forward(value, training=self.training, spread=spread or self.call_style == "2.x")
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])``, with failures that name the stage and worker.

@@ -89,9 +89,11 @@ def model_18(width: int = 4, seed: int = 0) -> nn.Sequential:
 
 
 def run_2x(model: nn.Sequential, *inputs: Any) -> Any:
-    """As PyTorch 2.x's PipeSequential: the inputs spread into the first layer, every tuple spread."""
+    """As PyTorch 2.x's PipeSequential: the inputs spread into the first layer, every tuple spread; a nested
+    ``nn.Sequential`` flattened into its layers, as 2.x assembled its partitions."""
     value: Any = inputs
-    for layer in model:
+    layers = [inner for layer in model for inner in (layer if isinstance(layer, nn.Sequential) else [layer])]
+    for layer in layers:
         value = layer(*value) if isinstance(value, tuple) else layer(value)
     return value
 
@@ -115,3 +117,29 @@ def reference(model: nn.Sequential, style: str, inputs: tuple[torch.Tensor, ...]
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+
+
+class Twin(nn.Module):
+    """One tensor in, a pair out."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(a, b)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), torch.sigmoid(x)
+
+
+class SumArgs(nn.Module):
+    """``*args``: 2.x spreads a pair into it; its signature cannot say so."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.stack(xs).sum(0)
+
+
+def model_2x_one_input(width: int = 4, seed: int = 0) -> nn.Sequential:
+    """A 2.x model called with one tensor whose layers take ``*args`` or an optional argument: it needs
+    ``call_style='2.x'``; 6 layers, a nested ``nn.Sequential`` among them (2.x flattened it)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Twin(width, width), Either(), nn.Sequential(SumArgs(), Twin(width, width)), Either(),
+                         SumArgs(), nn.Linear(width, 3))

@@ -294,6 +294,31 @@ def test_call_rule():
     assert isinstance(whole, tuple) and whole[0] is a
 
 
+class MySequential(nn.Sequential):
+    pass
+
+
+def test_call_rule_reads_through_wrappers_and_flattens_sequential_subclasses():
+    """A torch.compile'd or checkpoint_wrapper'd layer's forward takes ``*args``: the rule reads the layer it
+    wraps. In 2.x style a nested nn.Sequential subclass is flattened too, as 2.x did (isinstance)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from rrefpipe.calling import needs_spread, run_layers
+
+    assert needs_spread(checkpoint_wrapper(AddPair())) and needs_spread(torch.compile(AddPair()))
+    assert not needs_spread(checkpoint_wrapper(nn.Linear(2, 2))) and not needs_spread(torch.compile(Optional()))
+    a = torch.ones(2)
+    assert run_layers(nn.Sequential(Twin(), MySequential(Optional(), Star())), a, spread=True)[0] is a
+
+
+def test_call_style_is_checked():
+    from rrefpipe import Pipe
+
+    for wrong in ("2", "1.8", None):
+        with pytest.raises(ValueError, match=r"call_style must be 'auto' .* or '2.x'"):
+            Pipe(nn.Sequential(nn.Linear(2, 2)), call_style=wrong)
+
+
 def test_world_of_one_runs_both_styles_and_says_it_runs_in_process():
     """init_rpc with world size 1: stages run in the driver's process, for either call style, with outputs
     and gradients as the plain model's; one InProcessWarning says so, however many pipes are built."""

@@ -75,9 +75,11 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
 
 def balance_for_pipe(mode: str, module: nn.Sequential, sample: TensorOrTensors | None, *, chunks: int,
-                     workers: Sequence[str] | None, devices: Sequence[str | torch.device] | None) -> list[int]:
+                     workers: Sequence[str] | None, devices: Sequence[str | torch.device] | None,
+                     spread: bool = False) -> list[int]:
     """``Pipe(balance='time' | 'size', sample=...)``: one stage per device (or else per worker named),
-    profiled on the first stage's device (default: where the module is) with the pipe's ``chunks``."""
+    profiled on the first stage's device (default: where the module is) with the pipe's ``chunks``; ``spread``
+    for ``call_style='2.x'``."""
     if mode not in BALANCE_MODES:
         raise ValueError(f"balance must be a list of layer counts, 'time' or 'size', got {mode!r}")
     if sample is None:
@@ -90,5 +92,5 @@ def balance_for_pipe(mode: str, module: nn.Sequential, sample: TensorOrTensors |
         raise ValueError(f"balance={mode!r} needs the number of stages: pass devices=[...] or workers=[...], "
                          "one per stage")
     if mode == "time":
-        return balance_by_time(partitions, module, scatter(sample, chunks)[0], device=device)
-    return balance_by_size(partitions, module, sample, chunks=chunks, device=device)
+        return balance_by_time(partitions, module, scatter(sample, chunks)[0], device=device, spread=spread)
+    return balance_by_size(partitions, module, sample, chunks=chunks, device=device, spread=spread)

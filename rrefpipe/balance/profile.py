@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import microbatch
-from ..calling import call_layer
+from ..calling import run_layers
 from ..microbatch import TensorOrTensors
 from ..skip.tracker import DetachingTracker, use_tracker
 
@@ -99,7 +99,7 @@ def _blamed_on(index: int, layer: nn.Module) -> Iterator[None]:
 def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: torch.device,
                 spread: bool = False) -> list[float]:
     """One forward+backward of every layer on its own (input: the previous layer's output, detached), each
-    called as in the pipe (:func:`~rrefpipe.calling.call_layer`)."""
+    called as in the pipe (:func:`~rrefpipe.calling.run_layers`)."""
     times = []
     value = _prepare(sample, device, "sample")
     stashes = DetachingTracker()
@@ -108,7 +108,7 @@ def _timed_pass(layers: Iterator[nn.Module], sample: TensorOrTensors, device: to
         _sync(device)
         start = time.perf_counter()
         with _blamed_on(j, layer), use_tracker(stashes):
-            out = call_layer(layer, value, spread)
+            out = run_layers((layer,), value, spread)
             value = _detach(out, f"output of layer {j}")
             outputs = [t for t in microbatch.as_tensors(out) if t.requires_grad]
             if outputs:
@@ -184,7 +184,7 @@ def _saved_bytes(layer: nn.Module, value: TensorOrTensors, seen: set[tuple[str, 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call_layer(layer, value, spread)
+        out = run_layers((layer,), value, spread)
     return total, out
 
 
@@ -193,7 +193,7 @@ def _allocated_bytes(layer: nn.Module, value: TensorOrTensors, device: torch.dev
     """Run ``layer`` on CUDA; the bytes allocated by its forward and still held after it."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    out = call_layer(layer, value, spread)
+    out = run_layers((layer,), value, spread)
     torch.cuda.synchronize(device)
     return torch.cuda.memory_allocated(device) - before, out
 

@@ -7,7 +7,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from rrefpipe import Pipe
-from tests.compat_models import loss_of, model_18, model_2x, reference
+from tests.compat_models import loss_of, model_18, model_2x, model_2x_one_input, reference
 from tests.distributed.probes import stage_gradients
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,6 +51,20 @@ def test_one_tuple_input_passes_whole_like_pytorch_1_8(cluster, checkpoint):
     for model, balance in ((model_2x(), [2, 2, 2]), (model_18(), [2, 2, 1])):
         with Pipe(model, chunks=3, checkpoint=checkpoint, balance=balance, workers=cluster.names[:3]) as pipe:
             check_against_plain(pipe, model, "18", inputs)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_call_style_2x_spreads_after_one_input_too(cluster, checkpoint):
+    """``call_style='2.x'``: a one-tensor call spreads every tuple, into ``*args`` and optional arguments, and
+    a nested ``nn.Sequential`` is run layer by layer, as 2.x ran them; balancing profiles layers the same way."""
+    model = model_2x_one_input()
+    inputs = (torch.randn(6, 4),)
+    with Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 2, 2], workers=cluster.names[:3],
+              call_style="2.x") as pipe:
+        check_against_plain(pipe, model, "2x", inputs)
+    with Pipe(model, chunks=3, balance="size", sample=inputs[0], workers=cluster.names[:2], call_style="2.x") as pipe:
+        assert sum(pipe.balance) == len(model) and len(pipe.balance) == 2
+        check_against_plain(pipe, model, "2x", inputs)
 
 
 def test_styles_differ_where_a_layer_may_take_one_argument(cluster):
