@@ -3,10 +3,11 @@ from .checkpoint import is_checkpointing, is_recomputing
 from .errors import StageError, WorkerError
 from .grad_scaler import GradScaler
 from .local import InProcessWarning
+from .output import PipeRRef, RemotePipeRRef
 from .pipe import Pipe
 from .stage import StageInfo
 from .trace import Event, format_events
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
-           "is_checkpointing", "is_recomputing", "InProcessWarning"]
+           "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef"]
 __version__ = "0.1.0"

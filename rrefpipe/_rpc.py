@@ -41,9 +41,13 @@ def pickle_rref_as(cls: type, rref_of: Callable[[Any], Any]) -> None:
     """Let instances of ``cls`` travel through RPC calls as the RRef ``rref_of(instance)``.
 
     torch's RPC pickler finds the reducer of an RRef by its exact type: an instance of a subclass (or
-    a wrapper) would reach pickle's default, which refuses RRefs. Plain ``pickle`` still refuses them."""
-    dispatch = _internal_rpc_pickler._dispatch_table
-    dispatch[cls] = lambda obj: _internal_rpc_pickler._py_rref_reducer(rref_of(obj))
+    a wrapper) would reach pickle's default, which refuses RRefs. Plain ``pickle`` still refuses them.
+    These are torch internals: where a torch lacks them, ``cls`` stays usable everywhere but in RPC
+    arguments (where its ``.rref``, or ``rpc.RRef(pipe_output)``, still goes), and importing rrefpipe works."""
+    dispatch = getattr(_internal_rpc_pickler, "_dispatch_table", None)
+    reducer = getattr(_internal_rpc_pickler, "_py_rref_reducer", None)
+    if isinstance(dispatch, dict) and reducer is not None:
+        dispatch[cls] = lambda obj: reducer(rref_of(obj))
 
 
 def self_name() -> str:

@@ -26,6 +26,18 @@ def test_quiet_block_raises_the_cpp_level_and_restores_it():
     assert flag.value == before
 
 
+def test_without_the_flag_the_lines_are_explained_once(monkeypatch, capsys):
+    """A torch whose c10 library the flag cannot be found in (another layout): nothing is quieted, and the
+    first block says once what the lines are."""
+    monkeypatch.setattr(_cpp_log, "_level_flag", lambda: None)
+    monkeypatch.setattr(_cpp_log, "_explained", False)
+    with _cpp_log.quiet_cpp_warnings():
+        pass
+    _cpp_log.quiet_from_now()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rrefpipe: ")]
+    assert len(lines) == 1 and "stage workers leaving, not a failure" in lines[0]
+
+
 def test_a_worker_told_to_leave_stays_quiet():
     """``quiet_from_now`` lasts: a context manager entered by hand would be undone when collected."""
     proc = run_script("""
