@@ -32,8 +32,9 @@ def test_stages_overlap_and_each_runs_its_microbatches_in_order(cluster):
     for stage in (first, second):
         assert [e.microbatch for e in stage] == list(range(8))  # in order
         assert all(a.end <= b.start for a, b in zip(stage, stage[1:]))  # one at a time
-    # micro-batch i on stage 1 runs while micro-batch i+1 runs on stage 0
-    overlapping = [i for i in range(7) if first[i + 1].start < second[i].end and second[i].start < first[i + 1].end]
+    # stage 1 computes while stage 0 does: some forward of one overlaps some forward of the other (not
+    # necessarily micro-batch i beside i+1: stage 0 may run ahead by several, as it did once in CI)
+    overlapping = [(a.microbatch, b.microbatch) for a in first for b in second if a.start < b.end and b.start < a.end]
     assert overlapping, f"no overlap between stages:\n{[(e.stage, e.microbatch, e.start, e.end) for e in events]}"
     assert all(second[i].start >= first[i].end for i in range(8))  # and never before its input exists
 
