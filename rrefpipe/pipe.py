@@ -256,8 +256,10 @@ class Pipe(nn.Module):
         return driver
 
     # -- running -----------------------------------------------------------------------------------
-    def forward(self, *inputs: Any) -> PipeRRef | RemotePipeRRef:
+    def forward(self, *inputs: Any, input: Any = None) -> PipeRRef | RemotePipeRRef:  # noqa: A002 (1.8's name)
         """Run one mini-batch through the pipeline; returns an ``RRef`` to the output.
+
+        ``pipe(input=x)``, PyTorch 1.8's keyword, is ``pipe(x)``.
 
         ``pipe(x)`` or ``pipe((a, b))`` (one input, PyTorch 1.8's form): a tuple reaches a layer whole,
         except a layer whose ``forward`` requires two or more arguments, which gets it spread.
@@ -281,6 +283,10 @@ class Pipe(nn.Module):
             TypeError: no input; an input that is not a tensor or tuple of tensors; several inputs of which
                 one is not a tensor.
         """
+        if input is not None:
+            if inputs:
+                raise TypeError(f"Pipe got input= and {len(inputs)} positional input(s): pass the mini-batch once")
+            inputs = (input,)
         value, spread = microbatch.call_inputs(inputs)
         if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
             placement.release(placement.close_abandoned())

@@ -77,6 +77,11 @@ def test_styles_differ_where_a_layer_may_take_one_argument(cluster):
 
 def test_several_inputs_checked_and_empty_pipe(cluster):
     with Pipe(nn.Sequential(nn.Linear(2, 2)), workers=cluster.names[:1]) as pipe:
+        x = torch.randn(4, 2)
+        with torch.no_grad():  # PyTorch 1.8's keyword form
+            torch.testing.assert_close(pipe(input=x).local_value(), pipe(x).local_value())
+        with pytest.raises(TypeError, match="pass the mini-batch once"):
+            pipe(x, input=x)
         message = r"Pipe input 1 of 2 \(int\) is not a Tensor: every input must be one, split.*NoChunk"
         with pytest.raises(TypeError, match=message):
             pipe(torch.ones(2, 2), 3)
