@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -91,7 +92,8 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
                            "call pipe.backward(ctx, loss) there")
     sends = _rpc.send_functions(context_id)
     with _lock:
-        _check_loss_context(context_id, losses)
+        reached = _reachable(t.grad_fn for t in losses)
+        _check_loss_context(context_id, reached)
         entry = _entry(context_id)
         if entry.failed:
             raise RuntimeError(f"a forward of {_whose(entry.failed[0], pipe_id)} failed in autograd context "
@@ -103,7 +105,7 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
                                "for the first one's sends until the RPC timeout, or for ever). Run each step in its "
                                "own dist_autograd.context(); to accumulate gradients, sum the losses of several "
                                "forwards into one backward")
-        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, losses, sends, entry.unreached)
+        _check_outputs_in_loss(context_id, entry.forwards, pipe_id, reached, sends, entry.unreached)
         entry.backward_by = pipe_id
         unreached, entry.unreached = entry.unreached, []
         by_pipe, entry.forwards = entry.forwards, {}  # the nodes: the graph is spent
@@ -111,22 +113,25 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
         return by_pipe, [phony.sum() for phony in unreached]
 
 
-def _check_loss_context(context_id: int, losses: list[Tensor]) -> None:
-    """Refuse losses computed from tensors that arrived over RPC in another context (an old loss kept past
-    its ``with`` block, or a forward run in one context and the backward in another): distributed
-    autograd would fail deep in its engine. The other context is named when a pipe's forward ran there."""
-    here = set(_rpc.received(context_id))
-    seen: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None]
-    foreign = False
+def _reachable(roots: Iterable[Any], reached: set[Any] | None = None) -> set[Any]:
+    """Every autograd node reachable from ``roots`` (``None`` roots skipped), added to ``reached``."""
+    reached = set() if reached is None else reached
+    todo = list(roots)
     while todo:
         node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        foreign = foreign or (node.name().endswith("RecvRpcBackward") and node not in here)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    if not foreign:
+        if node is not None and node not in reached:
+            reached.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
+def _check_loss_context(context_id: int, seen: set[Any]) -> None:
+    """Refuse losses computed from tensors that arrived over RPC in another context (an old loss kept past
+    its ``with`` block, or a forward run in one context and the backward in another): distributed
+    autograd would fail deep in its engine. ``seen``: the nodes the losses reach. The other context is
+    named when a pipe's forward ran there."""
+    here = set(_rpc.received(context_id))
+    if not any(node.name().endswith("RecvRpcBackward") and node not in here for node in seen):
         return
     origins = [other for other, entry in _contexts.items() if other != context_id and any(
         node in seen for record in entry.forwards.values() for nodes in record.outputs for node in nodes)]
@@ -146,11 +151,12 @@ def _whose(pipe_id: str, caller: str) -> str:
     return "this pipe" if pipe_id == caller else f"pipe {pipe_id}"
 
 
-def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, losses: list[Tensor],
+def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller: str, reached: set[Any],
                            sends: list[Any], unreached: list[Tensor]) -> None:
     """Refuse a backward whose losses leave out a forward of the context, of any pipe.
 
-    The graph is walked from the losses and from this process's sends, which distributed autograd
+    ``reached`` holds the nodes the losses reach; those of this process's sends join it here. The graph
+    is walked from the losses and from this process's sends, which distributed autograd
     takes as roots too: an output fed into another pipe (``d(g(x))``) gets its gradient back through
     the send of that pipe's input. Each output that came to the driver is checked by its nodes.
     Outputs kept on the last worker are fetched by the caller (``to_here()``), so the driver cannot tell
@@ -159,13 +165,7 @@ def _check_outputs_in_loss(context_id: int, by_pipe: dict[str, Forwards], caller
     target) leaves out its forward. A forward never fetched here is not seen (the RPC timeout ends it)."""
     if not any(f.outputs or f.remote for f in by_pipe.values()):
         return
-    reached: set[Any] = set()
-    todo: list[Any] = [t.grad_fn for t in losses if t.grad_fn is not None] + sends
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in reached:
-            reached.add(node)
-            todo.extend(next_node for next_node, _ in node.next_functions)
+    _reachable(sends, reached)
     for pipe_id, record in by_pipe.items():
         unused = [k for k, nodes in enumerate(record.outputs) if not any(node in reached for node in nodes)]
         if unused:
