@@ -11,6 +11,7 @@ the flag itself for as long as its shutdown lasts (:func:`quiet_cpp_warnings`). 
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import sys
@@ -32,6 +33,7 @@ _saved = 0
 _explained = False
 
 
+@functools.cache  # looked up once: each quiet block reads it twice
 def _level_flag() -> ctypes.c_int | None:
     """c10's ``FLAGS_caffe2_log_level`` in the library torch loaded, or None where it cannot be found."""
     for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")):

@@ -229,8 +229,7 @@ class Pipe(nn.Module):
             _, self._local_workers = placement.stage_workers(1, None, [torch.device("cpu")], [], self.rpc_timeout)
         self._driver = LocalDriver([], [], chunks=self.chunks, checkpoint=self.checkpoint)
         if self._local_workers is not None:
-            self._finalizer = weakref.finalize(self, placement.abandoned.append, (self._driver, self._local_workers))
-            self._finalizer.atexit = False
+            self._release_when_dropped(self._driver)
 
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
@@ -251,9 +250,14 @@ class Pipe(nn.Module):
         except BaseException:
             self._stop_local_workers()
             raise
+        self._release_when_dropped(driver)
+        return driver
+
+    def _release_when_dropped(self, driver: LocalDriver | RemoteDriver) -> None:
+        """A pipe dropped without ``close()`` leaves its driver and workers to ``placement.abandoned``, closed
+        at the next forward, pipe built or ``close()``."""
         self._finalizer = weakref.finalize(self, placement.abandoned.append, (driver, self._local_workers))
         self._finalizer.atexit = False  # at exit the workers rrefpipe started are stopped anyway
-        return driver
 
     # -- running -----------------------------------------------------------------------------------
     def forward(self, *inputs: Any, input: Any = None) -> PipeRRef | RemotePipeRRef:  # noqa: A002 (1.8's name)
