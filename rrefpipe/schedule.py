@@ -91,6 +91,14 @@ def stage_worker(j: int, stages: int, stages_per_worker: int = 1) -> int:
     return j % (stages // stages_per_worker)
 
 
+def _check_layout(stages: int, stages_per_worker: int) -> None:
+    """``stages_per_worker`` must split the stages evenly over the workers."""
+    v = stages_per_worker
+    if v < 1 or stages % v:
+        raise ValueError(f"stages_per_worker={v} must be a positive divisor of the stage count {stages}; "
+                         f"divisors: {[d for d in range(1, stages + 1) if stages % d == 0]}")
+
+
 def _checked(schedule: str, stages: int, chunks: int, stages_per_worker: int) -> str:
     """The canonical schedule name once the arguments fit it; a ValueError saying what to change."""
     name = parse_schedule(schedule)
@@ -98,9 +106,7 @@ def _checked(schedule: str, stages: int, chunks: int, stages_per_worker: int) ->
         raise ValueError(f"a schedule needs at least one stage and one micro-batch, got stages={stages}, "
                          f"chunks={chunks}")
     v = stages_per_worker
-    if v < 1 or stages % v:
-        raise ValueError(f"stages_per_worker={v} must be a positive divisor of the stage count {stages}; "
-                         f"divisors: {[d for d in range(1, stages + 1) if stages % d == 0]}")
+    _check_layout(stages, v)
     if v > 1 and name != "Interleaved1F1B":
         raise ValueError(f"stages_per_worker={v} needs schedule='Interleaved1F1B'; {name} runs one stage per "
                          f"worker (use stages_per_worker=1)")
@@ -190,8 +196,7 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
     worker F(i, j) before B(i, j); under 1F1B at most n - j micro-batches in flight on stage j."""
     n, m, v = stages, chunks, stages_per_worker
     problems: list[str] = []
-    if v < 1 or n % v:
-        raise ValueError(f"stages_per_worker={v} must divide stages={n}")
+    _check_layout(n, v)
     if len(orders) != n // v:
         problems.append(f"{len(orders)} worker orders for {n // v} workers")
     seen: dict[Action, int] = {}
