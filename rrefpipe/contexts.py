@@ -45,6 +45,7 @@ class _Context:
     failed: list[str] = field(default_factory=list)  # pipes whose forward failed here
     unreached: list[Tensor] = field(default_factory=list)  # phonies of outputs no loss can use
     backward_by: str | None = None  # the pipe that ran the context's backward
+    trained_by: str | None = None  # a pipe that ran train_step here (its workers' gradients are in)
 
 
 _contexts: OrderedDict[int, _Context] = OrderedDict()
@@ -77,6 +78,13 @@ def keep_unreached(context_id: int, phony: Tensor) -> None:
         _entry(context_id).unreached.append(phony)
 
 
+def trained(context_id: int, pipe_id: str) -> None:
+    """``pipe_id`` ran ``train_step`` in the context: its forward, loss and backward are done, and its
+    messages left sends in the context that no backward here can reach."""
+    with _lock:
+        _entry(context_id).trained_by = pipe_id
+
+
 def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple[dict[str, Forwards], list[Tensor]]:
     """Check that ``losses`` can end the context's backward; returns the forwards of every pipe there (by
     pipe id, to name a stage that fails in the backward) and the zero losses that reach the sends of
@@ -99,6 +107,11 @@ def begin_backward(context_id: int, pipe_id: str, losses: list[Tensor]) -> tuple
             raise RuntimeError(f"a forward of {_whose(entry.failed[0], pipe_id)} failed in autograd context "
                                f"{context_id}: distributed autograd would wait for the sends of that forward until "
                                "the RPC timeout, or for ever. Run the step again in a new dist_autograd.context()")
+        if entry.trained_by is not None:
+            raise RuntimeError(f"{_whose(entry.trained_by, pipe_id)} ran train_step in autograd context {context_id}: "
+                               "train_step is forward, loss and backward in one, and its gradients are in the context "
+                               "already. Call DistributedOptimizer.step(ctx) now; run a pipe(x) whose loss you "
+                               "backpropagate yourself in a context of its own")
         if entry.backward_by is not None:
             raise RuntimeError(f"{_whose(entry.backward_by, pipe_id)} already ran a backward in autograd context "
                                f"{context_id}: distributed autograd takes one backward per context (a second waits "

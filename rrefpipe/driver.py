@@ -25,12 +25,15 @@ from .dependency import arrival, new_phony
 from .errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
 from .output import PipeRRef, RemotePipeRRef
-from .schedule import checkpoint_stop
+from .loss import mean_loss, split_target
+from .schedule import check_schedule, checkpoint_stop
+from .scheduled import StepPlan
 from .server import StageSpec
 from .skip.layout import route
 from .skip.skippable import verify_stage_skips
 from .stage import StageInfo, StepMeta
 from .trace import Event
+from .training import run as training_run
 
 __all__: list[str] = []
 
@@ -108,9 +111,12 @@ class RemoteDriver:
     """Places a pipe's stages on RPC workers and runs forward passes through them."""
 
     def __init__(self, specs: Sequence[StageSpec], workers: Sequence[str], *, chunks: int, checkpoint: str,
-                 remote_output: bool, rpc_timeout: float, microbatches_per_message: int) -> None:
+                 remote_output: bool, rpc_timeout: float, microbatches_per_message: int, schedule: str = "GPipe",
+                 stages_per_worker: int = 1) -> None:
         self.pipe_id = f"{_rpc.self_name()}/{next(_pipe_ids)}"
-        self.workers = list(workers)
+        self.workers = list(workers)  # per stage: a worker holds several under Interleaved1F1B
+        self.schedule = schedule
+        self.stages_per_worker = stages_per_worker
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.remote_output = remote_output
@@ -308,6 +314,41 @@ class RemoteDriver:
                 _refuse_local_backward(collector.output)
         return PipeRRef(collector.output)
 
+    def train_step(self, context_id: int, value: TensorOrTensors, target: TensorOrTensors, loss_fn: Any, *,
+                   training: bool, spread: bool, loss_scale: float) -> Tensor:
+        """One training step under the pipe's schedule, the loss on the last stage (``Pipe.train_step``);
+        the mini-batch loss, detached."""
+        self._check_open()
+        for t in (*microbatch.as_tensors(value), *microbatch.as_tensors(target)):
+            if isinstance(t, Tensor) and t.device.type != "cpu":
+                raise ValueError(f"train_step got a tensor on {t.device}; stage workers receive the input and the "
+                                 "target from this process's CPU memory: pass CPU tensors (the stages move them)")
+        rows = split_target(value, target, self.chunks)
+        n = len(self.infos)
+        try:
+            check_schedule(self.schedule, n, len(rows), self.stages_per_worker)
+        except ValueError as exc:
+            if len(rows) == self.chunks:
+                raise
+            raise ValueError(f"the batch of {sum(rows)} rows splits into only {len(rows)} micro-batches, fewer than "
+                             f"chunks={self.chunks}: {exc}") from None
+        payload = _pickled_loss(loss_fn)
+        stashed_at = {key: j for j, info in enumerate(self.infos) for key in info.stashes}
+        with self._lock:
+            step = next(self._steps)
+            plan = StepPlan(
+                step=step, schedule=self.schedule, stages=n, stages_per_worker=self.stages_per_worker,
+                chunks=len(rows), rows=rows,
+                checkpoint_stop=checkpoint_stop(self.checkpoint, len(rows), enabled=training),
+                workers=tuple(self.workers), skip_sources=stashed_at, driver=_rpc.self_name(),
+                timeout=self.rpc_timeout, context_id=context_id, loss_scale=loss_scale, spread=spread,
+                autocast=autocast.capture())
+            p = n // self.stages_per_worker
+            losses = training_run(self.pipe_id, self.workers[:p], plan, microbatch.apply(_send_copy, value),
+                                  microbatch.apply(_send_copy, target), payload, self.rpc_timeout)
+        contexts.trained(context_id, self.pipe_id)
+        return mean_loss(losses, rows)
+
     def _warn_no_gradient_output(self) -> None:
         if not self._warned_no_gradient_output:
             self._warned_no_gradient_output = True
@@ -427,6 +468,17 @@ def _raised_if_failed(index: int, result: Any) -> Any:
     if isinstance(result, Failure):
         raise replace(result, stage=index).to_exception()
     return result
+
+
+def _pickled_loss(loss_fn: Any) -> bytes:
+    """``loss_fn`` by value, as factories travel: a function of the user's script is not importable on a worker."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    try:
+        return cloudpickle.dumps(loss_fn)
+    except Exception as exc:
+        raise TypeError(f"loss_fn cannot be sent to the last stage's worker: it does not pickle ({type(exc).__name__}: "
+                        f"{exc}); pass a module-level function, a lambda or an nn.Module loss") from exc
 
 
 def _pickled(spec: StageSpec, workers: Sequence[str]) -> bytes:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
 from . import _rpc, gradients, microbatch
+from .loss import checked_loss, mean_loss, split_target, weights
 from .microbatch import TensorOrTensors
 from .output import PipeRRef
 from .schedule import checkpoint_stop, clock_cycles
@@ -108,6 +111,21 @@ class LocalDriver:
                 values[i] = out.value
                 skips[i].update(out.skips)
         return PipeRRef(microbatch.gather(values))
+
+    def train_step(self, context_id: int, value: TensorOrTensors, target: TensorOrTensors, loss_fn: Any, *,
+                   training: bool, spread: bool, loss_scale: float) -> Tensor:
+        """In this process the stages run GPipe's order whatever the schedule: every forward, then one
+        backward of the micro-batch losses' row-weighted mean."""
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        rows = split_target(value, target, self.chunks)
+        output = self.forward(value, training=training, spread=spread).local_value()
+        outputs = microbatch.scatter(output, len(rows))
+        targets = microbatch.scatter(target, len(rows), "train_step target")
+        losses = [checked_loss(loss_fn(out, t)) for out, t in zip(outputs, targets)]
+        total = torch.stack([w * loss for w, loss in zip(weights(rows), losses)]).sum()
+        dist_autograd.backward(context_id, [total * loss_scale])
+        return mean_loss(torch.stack([loss.detach() for loss in losses]), rows)
 
     def events(self, clear: bool) -> list[Event]:
         return [e for stage in self.stages for e in stage.recorder.snapshot(clear)]

@@ -62,23 +62,23 @@ def detached(t: Tensor) -> Tensor:
     return t.detach().requires_grad_(t.requires_grad)
 
 
-def scatter(value: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:
+def scatter(value: TensorOrTensors, chunks: int, where: str = "Pipe input") -> list[TensorOrTensors]:
     """Split along dim 0 into at most ``chunks`` micro-batches (``torch.chunk`` semantics).
 
     A batch smaller than ``chunks`` gives one micro-batch per sample. Tuple elements must share
-    their batch size.
+    their batch size. ``where`` names the value in errors.
     """
-    check(value, "Pipe input")
+    check(value, where)
     tensors = as_tensors(value)
     sizes = set()
     for t in tensors:
         if t.dim() == 0:
-            raise ValueError("Pipe input tensors need a batch dimension, got a 0-dim tensor")
+            raise ValueError(f"{where} tensors need a batch dimension, got a 0-dim tensor")
         sizes.add(t.size(0))
     if len(sizes) != 1:
-        raise ValueError(f"all input tensors must have the same batch size (dim 0), got sizes {sorted(sizes)}")
+        raise ValueError(f"all {where} tensors must have the same batch size (dim 0), got sizes {sorted(sizes)}")
     if 0 in sizes:
-        raise ValueError("Pipe input has batch size 0: nothing to split into micro-batches")
+        raise ValueError(f"{where} has batch size 0: nothing to split into micro-batches")
     pieces = [t.chunk(chunks) for t in tensors]
     if isinstance(value, Tensor):
         return list(pieces[0])

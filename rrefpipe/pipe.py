@@ -23,6 +23,7 @@ from .errors import warn_user
 from .local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
 from .output import PipeRRef, RemotePipeRRef
+from .schedule import check_schedule, parse_schedule
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
 from .seeding import driver_seed
@@ -84,11 +85,20 @@ class Pipe(nn.Module):
             requires two or more arguments; a call with several, ``pipe(a, b)``, spreads every tuple
             (PyTorch 2.x). ``'2.x'``: every call spreads every tuple, as 2.x did, for 2.x models whose
             layers take ``*args`` or optional arguments.
+        schedule: the order in which :meth:`train_step` runs each stage's forwards and backwards:
+            ``'GPipe'`` (every forward, then every backward), ``'1F1B'`` (stage j holds at most n - j
+            micro-batches' activations) or ``'Interleaved1F1B'`` (several stages per worker, a smaller
+            bubble), in any case; see the guide's "Choosing a schedule". ``pipe(x)`` with
+            ``pipe.backward`` always runs GPipe's order.
+        stages_per_worker: stages on each worker, for ``'Interleaved1F1B'``: stage j runs on worker
+            j mod (stages / stages_per_worker), and that many workers start (or are named in ``workers``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or its skippable layers do not match
             (:func:`~rrefpipe.skip.verify_skippables`).
-        ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``; an
+        ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``; an unknown
+            ``schedule``, a ``stages_per_worker`` that does not divide the stages, or ``chunks`` that the
+            schedule cannot run; an
             empty ``module``; a layer that appears twice; a stage whose parameters span devices.
         StageError: a stage could not be built on its worker (names the stage and worker).
     """
@@ -108,11 +118,14 @@ class Pipe(nn.Module):
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         microbatches_per_message: int = 1,
         call_style: str = "auto",
+        schedule: str = "GPipe",
+        stages_per_worker: int = 1,
     ) -> None:
         super().__init__()
         verify_module(module)
         verify_skippables(module)
-        self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style)
+        self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
+                        schedule, stages_per_worker)
         if len(module) == 0:  # PyTorch's Pipe accepted it: forward returns the input
             self._build_empty()
             return
@@ -146,6 +159,7 @@ class Pipe(nn.Module):
         stages = split_module(module, balance)
         for j, stage in enumerate(stages):
             module_device(stage, f"stage {j}")
+        check_schedule(self.schedule, len(stages), self.chunks, self.stages_per_worker)
         self.balance = list(balance)
         if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
             if workers:
@@ -178,6 +192,8 @@ class Pipe(nn.Module):
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         microbatches_per_message: int = 1,
         call_style: str = "auto",
+        schedule: str = "GPipe",
+        stages_per_worker: int = 1,
     ) -> Pipe:
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
@@ -197,7 +213,8 @@ class Pipe(nn.Module):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
-        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style)
+        pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
+                        schedule, stages_per_worker)
         stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         seed = driver_seed()
         specs = [placement.stage_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
@@ -208,8 +225,11 @@ class Pipe(nn.Module):
         return pipe
 
     def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float,
-                   microbatches_per_message: int, call_style: str) -> None:
+                   microbatches_per_message: int, call_style: str, schedule: str, stages_per_worker: int) -> None:
         self.chunks = check_chunks(chunks)
+        self.schedule = parse_schedule(schedule)
+        self.stages_per_worker = check_chunks(stages_per_worker, "stages_per_worker")
+        self._warned_schedule = False
         self.checkpoint = check_checkpoint(checkpoint)
         real = isinstance(rpc_timeout, numbers.Real) and not isinstance(rpc_timeout, bool)
         if not real or not rpc_timeout > 0:
@@ -233,20 +253,26 @@ class Pipe(nn.Module):
 
     def _place(self, specs: list[StageSpec], workers: Sequence[str] | None,
                devices: Sequence[torch.device]) -> RemoteDriver:
-        n = len(specs)
+        n, v = len(specs), self.stages_per_worker
+        check_schedule(self.schedule, n, self.chunks, v)
+        p = n // v  # workers: stage j goes to worker j mod p (Interleaved1F1B's layout)
+        named = placement.interleaved_workers(workers, n, v)
         held = placement.close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
         try:
-            workers, self._local_workers = placement.stage_workers(n, workers, devices, held, self.rpc_timeout)
+            workers, self._local_workers = placement.stage_workers(p, named, placement.worker_devices(devices, v),
+                                                                   held, self.rpc_timeout)
         finally:
             placement.release(held)
-        if len(workers) != n:
+        if len(workers) != p:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
+        workers = [workers[j % p] for j in range(n)]
         for spec in specs:
             spec.next_worker = workers[spec.index + 1] if spec.index + 1 < n else None
         try:
             driver = RemoteDriver(specs, workers, chunks=self.chunks, checkpoint=self.checkpoint,
                                   remote_output=self.remote_output, rpc_timeout=self.rpc_timeout,
-                                  microbatches_per_message=self.microbatches_per_message)
+                                  microbatches_per_message=self.microbatches_per_message, schedule=self.schedule,
+                                  stages_per_worker=v)
         except BaseException:
             self._stop_local_workers()
             raise
@@ -294,7 +320,57 @@ class Pipe(nn.Module):
         value, spread = microbatch.call_inputs(inputs)
         if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
             placement.release(placement.close_abandoned())
+        if (self.schedule != "GPipe" and not self._warned_schedule and self.training and torch.is_grad_enabled()
+                and _rpc.current_context_id() is not None):
+            self._warned_schedule = True
+            warn_user(f"Pipe(schedule={self.schedule!r}): pipe(x) followed by pipe.backward(ctx, loss) runs GPipe's "
+                      "order (every forward, then the backward), as the loss is computed here after all outputs "
+                      f"came back. {self.schedule} is followed by pipe.train_step(ctx, x, target, loss_fn), which "
+                      "computes the loss on the last stage")
         return self._driver.forward(value, training=self.training, spread=spread or self.call_style == "2.x")
+
+    def train_step(self, context_id: int, input: Any, target: Any,  # noqa: A002 (Pipe's name for it)
+                   loss_fn: Callable[[Any, Any], Tensor], *, scaler: Any = None) -> Tensor:
+        """One training step under the pipe's ``schedule``: forward, loss and backward of every micro-batch.
+
+        The input and ``target`` are split into micro-batches alike; ``loss_fn(output_i, target_i)`` runs on
+        the last stage's worker for each micro-batch as soon as its output exists (it travels by value, as
+        factories do: a lambda or a function of your script works), and each stage runs its forwards and
+        backwards in the schedule's order. Returns the mini-batch loss, detached: the micro-batch losses'
+        mean weighted by their rows, which for a loss that averages over samples (cross-entropy, MSE by
+        default) is the loss of the whole batch. The gradients left in ``context_id`` are those of exactly
+        that value, so call ``DistributedOptimizer.step(context_id)`` next (after ``clip_grad_norm_`` if you
+        clip); several steps in one context add up their gradients, as several backwards do in one process.
+
+        Args:
+            context_id: the current ``dist_autograd.context()``; its gradients are where the optimizer reads them.
+            input: the mini-batch, a CPU tensor or tuple of tensors (as ``pipe(input)`` takes it).
+            target: a CPU tensor or tuple of tensors with the input's batch size.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``, e.g. ``nn.functional.cross_entropy``.
+            scaler: a :class:`rrefpipe.GradScaler`: backward runs on the scaled loss; then
+                ``scaler.step(optimizer, context_id)`` and ``scaler.update()`` as usual.
+
+        Raises:
+            RuntimeError: ``context_id`` is not the current autograd context, or gradients are off.
+            ValueError: the target's batch size differs from the input's; a batch that splits into a
+                micro-batch count the schedule cannot run (Interleaved1F1B); tensors not on the CPU.
+            TypeError: ``loss_fn`` is not callable or does not pickle; input or target not tensors.
+            StageError: a stage, or ``loss_fn`` (``phase='loss_fn'``), raised or returned something that is
+                not a scalar tensor (names stage, worker and micro-batch); ``WorkerError`` for a dead or hung
+                worker. The pipe stays usable: run the next step in a new context.
+        """
+        if _rpc.current_context_id() != context_id:
+            raise RuntimeError(f"train_step(context_id={context_id!r}) must run inside that context's block, "
+                               "`with dist_autograd.context() as context_id:`, where its gradients are kept for "
+                               "DistributedOptimizer.step(context_id)")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step under torch.no_grad(): a training step needs gradients; for evaluation "
+                               "call pipe(x) under torch.no_grad()")
+        scale = 1.0 if scaler is None or not scaler.is_enabled() else float(scaler.get_scale())
+        if placement.abandoned:
+            placement.release(placement.close_abandoned())
+        return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
+                                       spread=self.call_style == "2.x", loss_scale=scale)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])``, with failures that name the stage and worker.

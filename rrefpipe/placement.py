@@ -108,6 +108,31 @@ def stage_workers(n: int, workers: Sequence[str] | None, devices: Sequence[torch
     return workers, None
 
 
+def interleaved_workers(workers: Sequence[str] | None, stages: int, stages_per_worker: int) -> Sequence[str] | None:
+    """The distinct workers named for ``stages`` stages with ``stages_per_worker`` each: every stage's
+    worker (stage j's must be stage j mod p's, p = stages / stages_per_worker), or the p workers alone."""
+    p = stages // stages_per_worker
+    if workers is None or stages_per_worker == 1:
+        return workers
+    workers = list(workers)
+    layout = [workers[j % p] for j in range(stages)] if len(workers) in (p, stages) else None
+    if layout is None or (len(workers) == stages and workers != layout) or len(set(workers[:p])) != p:
+        expected = [f"w{j % p}" for j in range(stages)]
+        raise ValueError(f"stages_per_worker={stages_per_worker} puts stage j on worker j mod {p}: name {p} distinct "
+                         f"workers, or one per stage in that layout (e.g. {expected}), got {workers}")
+    return workers[:p]
+
+
+def worker_devices(devices: Sequence[torch.device], stages_per_worker: int) -> list[torch.device]:
+    """The device of each worker, whose stages (j, j + p, ...) must share one."""
+    p = len(devices) // stages_per_worker
+    for j, d in enumerate(devices):
+        if d != devices[j % p]:
+            raise ValueError(f"stage {j} is on {d} and stage {j % p}, on the same worker (stage j runs on worker "
+                             f"j mod {p}), on {devices[j % p]}: give the stages of one worker one device")
+    return list(devices[:p])
+
+
 #: Pipes garbage-collected without ``close()``: their driver and embedded workers (or None). The
 #: finalizer runs inside garbage collection, on whichever thread set it off, possibly one holding a lock
 #: that an RPC needs; so it only queues them here, and the next forward, pipe built or close() closes them.

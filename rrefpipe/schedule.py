@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["CHECKPOINT_MODES", "checkpoint_stop", "clock_cycles", "ideal_efficiency",
-           "SCHEDULES", "Action", "Simulation", "parse_schedule", "stage_worker", "worker_orders",
+           "SCHEDULES", "Action", "Simulation", "parse_schedule", "check_schedule", "stage_worker", "worker_orders",
            "check_orders", "peak_in_flight", "simulate", "format_orders"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -99,7 +99,7 @@ def _check_layout(stages: int, stages_per_worker: int) -> None:
                          f"divisors: {[d for d in range(1, stages + 1) if stages % d == 0]}")
 
 
-def _checked(schedule: str, stages: int, chunks: int, stages_per_worker: int) -> str:
+def check_schedule(schedule: str, stages: int, chunks: int, stages_per_worker: int) -> str:
     """The canonical schedule name once the arguments fit it; a ValueError saying what to change."""
     name = parse_schedule(schedule)
     if stages < 1 or chunks < 1:
@@ -144,7 +144,7 @@ def worker_orders(schedule: str, stages: int, chunks: int, stages_per_worker: in
     ``stages_per_worker`` not dividing ``stages`` or above 1 with another schedule, and
     Interleaved1F1B with ``chunks`` not a multiple of the worker count.
     """
-    name = _checked(schedule, stages, chunks, stages_per_worker)
+    name = check_schedule(schedule, stages, chunks, stages_per_worker)
     n, m = stages, chunks
     if name == "GPipe":
         return [[Action("F", i, j) for i in range(m)] + [Action("B", i, j) for i in reversed(range(m))]

@@ -463,6 +463,12 @@ def _server(pipe_id: str, index: int) -> StageServer:
                           "(closed, or never created)") from None
 
 
+def has_stages(pipe_id: str) -> bool:
+    """Whether a stage of the pipe is on this worker (closed pipes' leftovers can go)."""
+    with _registry_lock:
+        return any(key[0] == pipe_id for key in _servers)
+
+
 def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
     """Build a stage from its pickled :class:`StageSpec` (cloudpickle, see the driver)."""
     spec = pickle.loads(payload)
