@@ -101,7 +101,7 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.items: dict[tuple[int, Key], Payload] = {}
+        self.items: dict[tuple[int, Key], tuple[Payload, list[torch.cuda.Event]]] = {}
         self.failed: dict[int, Failure | None] = {}  # aborted steps: a failure to raise, or None (cancelled)
         self.newest = -1
 
@@ -110,7 +110,7 @@ class _Mailbox:
             if step < self.newest:
                 return  # a message of a step given up on
             self._advance(step)
-            self.items[(step, key)] = payload
+            self.items[(step, key)] = (payload, _ready_events(payload))
             self.cond.notify_all()
 
     def abort(self, step: int, failure: Failure | None) -> None:
@@ -134,7 +134,8 @@ class _Mailbox:
             failure = self.failed[step]
             raise _Aborted() if failure is None else _Relayed(failure)
 
-    def take(self, step: int, key: Key, timeout: float, what: Callable[[], str]) -> Payload:
+    def take(self, step: int, key: Key, timeout: float,
+             what: Callable[[], str]) -> tuple[Payload, list[torch.cuda.Event]]:
         deadline = time.monotonic() + timeout
         with self.cond:
             while (step, key) not in self.items:
@@ -221,11 +222,12 @@ class _StepRun:
         action: Action | None = None
         try:
             self._begin()
-            for action in self.orders:
-                if action.kind == "F":
-                    self._forward(action.j, action.i)
-                else:
-                    self._backward(action.j, action.i)
+            for action in self.orders:  # each on its stage's stream (on a GPU), takes included
+                with self.servers[action.j].stream.running():
+                    if action.kind == "F":
+                        self._forward(action.j, action.i)
+                    else:
+                        self._backward(action.j, action.i)
             action = None
             for sent in self.sent:  # a failed send is reported by ``_post``'s callback, through the mailbox
                 with contextlib.suppress(Exception):
@@ -293,20 +295,17 @@ class _StepRun:
             received[key] = skip  # type: ignore[assignment]  # (one tensor in, one out)
             if leaf is not None:
                 skip_leaves[key] = leaf
-        with srv.stream.running():
-            out = stage.run(self.meta, i, value, (), received)
-            outputs = list(microbatch.as_tensors(out.value))
-            kept = _Kept(inputs, skip_leaves, outputs)
-            for key, tensor in out.skips.items():
-                target = stage.routes.outgoing[key]
-                if tensor is not None and tensor.requires_grad:
-                    kept.skips_out[key] = tensor
-                self._post(srv, target, ("S", target, i, key), None if tensor is None else (tensor,), whole=True)
-            if j + 1 < self.plan.stages:
-                self._post(srv, j + 1, ("F", j + 1, i), microbatch.as_tensors(out.value),
-                           whole=isinstance(out.value, Tensor))
-            else:
-                kept.loss = self._loss(i, out.value)
+        out = stage.run(self.meta, i, value, (), received)
+        kept = _Kept(inputs, skip_leaves, list(microbatch.as_tensors(out.value)))
+        for key, tensor in out.skips.items():
+            target = stage.routes.outgoing[key]
+            if tensor is not None and tensor.requires_grad:
+                kept.skips_out[key] = tensor
+            self._post(srv, target, ("S", target, i, key), None if tensor is None else (tensor,), whole=True)
+        if j + 1 < self.plan.stages:
+            self._post(srv, j + 1, ("F", j + 1, i), kept.outputs, whole=isinstance(out.value, Tensor))
+        else:
+            kept.loss = self._loss(i, out.value)
         self.kept[(j, i)] = kept
 
     def _loss(self, i: int, output: TensorOrTensors) -> Tensor:
@@ -336,14 +335,13 @@ class _StepRun:
             value, _ = self._take(("G", j, i, key), lambda: f"the gradient of skip {key[1]!r} of micro-batch {i} "
                                                              f"from stage {target}")
             _add_roots(roots, grads, [tensor], _as_tuple(value))
-        with srv.stream.running():
-            if roots:
-                torch.autograd.backward(roots, grads)
-            if j > 0:
-                self._post(srv, j - 1, ("B", j - 1, i), [_grad(t) for t in kept.inputs], whole=False)
-            for key, leaf in kept.skip_leaves.items():
-                source = self.plan.skip_sources[key]
-                self._post(srv, source, ("G", source, i, key), [_grad(leaf)], whole=False)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if j > 0:
+            self._post(srv, j - 1, ("B", j - 1, i), [_grad(t) for t in kept.inputs], whole=False)
+        for key, leaf in kept.skip_leaves.items():
+            source = self.plan.skip_sources[key]
+            self._post(srv, source, ("G", source, i, key), [_grad(leaf)], whole=False)
 
     def _install(self) -> None:
         """Move the parameters' gradients, summed over the step's micro-batches, into the caller's
@@ -354,13 +352,23 @@ class _StepRun:
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with torch.enable_grad():
+        stream = next(iter(self.servers.values())).stream  # a worker's stages share its device
+        with torch.enable_grad(), stream.running():  # where the gradients were computed
             root = _Install.apply(grads, *params)
-        dist_autograd.backward(self.plan.context_id, [root])
+            dist_autograd.backward(self.plan.context_id, [root])
 
     # -- messages ----------------------------------------------------------------------------------
     def _take(self, key: Key, what: Callable[[], str]) -> Payload:
-        return self.box.take(self.plan.step, key, self.plan.timeout, what)
+        """What ``key`` brought, ready for the current stream (a stage's, on a GPU) to use."""
+        payload, events = self.box.take(self.plan.step, key, self.plan.timeout, what)
+        if events:
+            stream = torch.cuda.current_stream()
+            for event in events:
+                stream.wait_event(event)
+            for t in _as_tuple(payload[0]):
+                if t is not None and t.is_cuda:
+                    t.record_stream(stream)  # its memory is not reused while this stream may still read it
+        return payload
 
     def _post(self, srv: StageServer, stage: int, key: Key, tensors: Sequence[Tensor | None] | None,
               whole: bool) -> None:
@@ -417,6 +425,18 @@ def _add_roots(roots: list[Tensor], grads: list[Tensor | None], tensors: Sequenc
         if g is not None and t.requires_grad:
             roots.append(t)
             grads.append(g)
+
+
+def _ready_events(payload: Payload) -> list[torch.cuda.Event]:
+    """Events on the current stream of each GPU whose tensors the payload holds: where a body received
+    them (TensorPipe's stream, on which they are ready), or where a stage of this worker made them."""
+    devices = {t.device for t in _as_tuple(payload[0]) if t is not None and t.is_cuda}
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
 
 
 def _grad(t: Tensor | None) -> Tensor | None:

@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--classes", type=int, default=8)
     p.add_argument("--rpc-timeout", type=float, default=60)
+    p.add_argument("--schedule", help="then train the same steps with pipe.train_step under this schedule too")
     return p.parse_args()
 
 
@@ -83,6 +84,8 @@ def main() -> None:
             for name, value in reference.state_dict().items():
                 torch.testing.assert_close(state[name], value)
             stages = [(s.worker, list(s.layers)) for s in pipe.stages]
+        if args.schedule:
+            check_train_step(model, args, stage_workers)
         result = {
             "rank": int(os.environ["RANK"]), "workers": stage_workers, "stages": stages, "steps": args.steps,
             "seconds": time.monotonic() - start,
@@ -91,6 +94,37 @@ def main() -> None:
             "output_bytes": b * c * 4,
         }
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def check_train_step(model: nn.Module, args: argparse.Namespace, stage_workers: list[str]) -> None:
+    """``pipe.train_step`` under ``args.schedule`` across the hosts: the loss, every gradient and the
+    parameters after each SGD step equal the plain model's."""
+    from rrefpipe import Pipe
+    from tests.distributed.probes import stage_gradients
+
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    with Pipe(model, chunks=args.chunks, balance=balance(len(model), len(stage_workers)), workers=stage_workers,
+              schedule=args.schedule, checkpoint="never") as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.05)
+        for step in range(args.steps):
+            x = torch.randn(args.batch, args.features)
+            y = torch.randint(0, args.classes, (args.batch,))
+            with dist_autograd.context() as ctx:
+                loss = pipe.train_step(ctx, x, y, F.cross_entropy)
+                grads = stage_gradients(pipe, ctx)
+                opt.step(ctx)
+            reference_opt.zero_grad()
+            expected_loss = F.cross_entropy(reference(x), y)
+            expected_loss.backward()
+            reference_opt.step()
+            torch.testing.assert_close(loss, expected_loss.detach())
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"step {step} {name}: {m}")
+            print(f"{args.schedule} step {step}: loss {loss.item():.4f} and gradients match the plain model", flush=True)
+        state = pipe.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,12 @@ def test_worker_entry_point_on_other_hosts(make_lab):
 @pytest.mark.timeout(150)
 def test_torchrun_two_nodes(make_lab):
     """One script under ``torchrun --nnodes 2`` (c10d rendezvous): rank 0 on node 0 drives, node 1's two
-    ranks serve the stages and exit when the driver is done; the driver code runs on rank 0 only."""
+    ranks serve the stages and exit when the driver is done; the driver code runs on rank 0 only. The
+    script then trains the same way with ``pipe.train_step`` under 1F1B, across the hosts."""
     lab = make_lab(2)
     node0, node1 = lab.hosts
     before = {h: lab.counters(h) for h in lab.hosts}
-    script = [CHECK_SCRIPT, "--interface", IFNAME, "--steps", str(STEPS)]
+    script = [CHECK_SCRIPT, "--interface", IFNAME, "--steps", str(STEPS), "--schedule", "1F1B"]
     procs = [lab.spawn(node0, torchrun_cmd(node0, node0, 1, script), name="node0"),
              lab.spawn(node1, torchrun_cmd(node1, node0, 2, script), name="node1")]
     codes = wait_all(lab, procs, timeout=130)
@@ -53,6 +54,7 @@ def test_torchrun_two_nodes(make_lab):
     result = result_of(lab, "node0")
     assert result["rank"] == 0 and result["workers"] == ["worker1", "worker2"]
     assert "RESULT " not in lab.output("node1"), "the driver's code ran on a stage-worker rank"
+    assert lab.output("node0").count("and gradients match the plain model") == STEPS, lab.output("node0")
     moved = traffic(lab, before)
     assert_at_least(moved, node0, "tx", STEPS * result["input_bytes"], "the inputs sent to stage 0")
     assert_at_least(moved, node1, "rx", STEPS * result["input_bytes"], "the inputs stage 0 received")
