@@ -346,7 +346,8 @@ class _StepRun:
     def _install(self) -> None:
         """Move the parameters' gradients, summed over the step's micro-batches, into the caller's
         context (adding to what an earlier step in that context left there)."""
-        params = [p for srv in self.servers.values() for p in srv.stage.module.parameters() if p.grad is not None]
+        params = list(dict.fromkeys(  # once each: a parameter two stages of this worker share got one sum
+            p for srv in self.servers.values() for p in srv.stage.module.parameters() if p.grad is not None))
         if not params:
             return
         grads = [p.grad for p in params]
