@@ -1,16 +1,18 @@
 """A stage's gradients in a ``dist_autograd`` context, where they are: collected, reduced to a norm,
 scaled and unscaled in place (what each stage runs for :mod:`rrefpipe.clip` and
-:class:`rrefpipe.GradScaler`; the driver's side of both sits above the pipe).
+:class:`rrefpipe.GradScaler`; the driver's side of both sits above the pipe), and added to the
+context from outside a backward (``install``: ``Pipe.train_step`` computes them by plain autograd).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
-__all__ = ["context_gradients", "gradient_norm", "scale", "unscale"]
+__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install"]
 
 
 def context_gradients(module: nn.Module, context_id: int) -> list[Tensor]:
@@ -49,3 +51,29 @@ def unscale(grads: Sequence[Tensor], inv_scale: float) -> bool:
         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
         found = bool(found_inf.item()) or found
     return found
+
+
+class _Install(torch.autograd.Function):
+    """A node whose backward hands each parameter the gradient given to it: run through
+    ``dist_autograd.backward`` in a context, it stores those gradients in the context (adding to what
+    is there), exactly, without arithmetic on them."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: Sequence[Tensor], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.grads)
+
+
+def install(context_id: int, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """Add ``grads`` to the gradients of ``params`` in the context, as a backward there would: one local
+    ``dist_autograd.backward``, which needs the context on this worker (a message of it arrived here)
+    and records no send. Call it on the stream the gradients were computed on (a stage's, on a GPU)."""
+    if not params:
+        return
+    with torch.enable_grad():
+        root = _Install.apply(grads, *params)
+        dist_autograd.backward(context_id, [root])

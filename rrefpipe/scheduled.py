@@ -11,7 +11,7 @@ step each stage runs plain autograd on its own part of the graph, and the tensor
 travel as explicit messages, detached: activations and skips forward, their gradients backward
 (``post``, into the receiver's mailbox). Parameter gradients accumulate in ``.grad`` over the
 micro-batches, as in one process; at the end of the step each worker *installs* them into the
-caller's distributed autograd context with one local ``dist_autograd.backward`` (``_Install``), so
+caller's distributed autograd context with one local ``dist_autograd.backward`` (``gradients.install``), so
 that ``DistributedOptimizer.step(context_id)``, clipping and loss scaling read them as after
 ``pipe.backward``. The context reached this worker with the driver's ``run_step`` message, which
 carries a tensor that requires grad for that purpose.
@@ -31,12 +31,11 @@ from typing import Any
 
 import cloudpickle
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import microbatch, server
+from . import gradients, microbatch, server
 from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import checked_loss, weights
@@ -168,21 +167,6 @@ def _mailbox(pipe_id: str) -> _Mailbox:
                 if gone != pipe_id:
                     del _mailboxes[gone]
         return box
-
-
-class _Install(torch.autograd.Function):
-    """A node whose backward hands each parameter the gradient given to it: run through
-    ``dist_autograd.backward`` in a context, it stores those gradients in the context (adding to what
-    is there), exactly, without arithmetic on them."""
-
-    @staticmethod
-    def forward(ctx: Any, grads: list[Tensor], *params: Tensor) -> Tensor:
-        ctx.grads = grads
-        return torch.zeros((), device=params[0].device)
-
-    @staticmethod
-    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.grads)
 
 
 @dataclass
@@ -353,10 +337,8 @@ class _StepRun:
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        stream = next(iter(self.servers.values())).stream  # a worker's stages share its device
-        with torch.enable_grad(), stream.running():  # where the gradients were computed
-            root = _Install.apply(grads, *params)
-            dist_autograd.backward(self.plan.context_id, [root])
+        with next(iter(self.servers.values())).stream.running():  # a worker's stages share its device
+            gradients.install(self.plan.context_id, params, grads)  # type: ignore[arg-type]
 
     # -- messages ----------------------------------------------------------------------------------
     def _take(self, key: Key, what: Callable[[], str]) -> Payload:
