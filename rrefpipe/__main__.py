@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .schedule import SCHEDULES, check_schedule, parse_schedule
+
 __all__ = ["main"]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -45,13 +47,21 @@ def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("timeline", help="run a few steps of a small pipeline and draw its schedule: PREFIX.json "
                        "(Chrome/Perfetto trace) and PREFIX.png (one row per stage), or redraw a saved trace",
                        description="Run a few training steps of an MLP on local stage workers and draw the last "
-                       "step: PREFIX.json for chrome://tracing or https://ui.perfetto.dev, PREFIX.png with one "
-                       "row per stage, one box per forward/recompute/backward of micro-batch i.")
+                       "step: PREFIX.json for\nchrome://tracing or https://ui.perfetto.dev, PREFIX.png with one row "
+                       "per stage, one box per\nforward/recompute/backward of micro-batch i. With --schedule, each "
+                       "step is a pipe.train_step\nthat follows that schedule.",
+                       epilog="examples:\n"
+                       "  python -m rrefpipe timeline --out step\n"
+                       "  python -m rrefpipe timeline --schedule 1F1B --stages 2 --chunks 8 --out 1f1b\n"
+                       "  python -m rrefpipe timeline --schedule Interleaved1F1B --stages 4 --stages-per-worker 2 "
+                       "--chunks 8 --out interleaved",
+                       formatter_class=HelpFormatter)
     p.add_argument("--out", metavar="PREFIX", default="rrefpipe-timeline",
                    help="where to write PREFIX.json and PREFIX.png (default: %(default)s)")
     p.add_argument("--from-json", metavar="TRACE", help="redraw the PNG of a trace written earlier; runs nothing")
     p.add_argument("--stages", type=int, default=3,
-                   help="pipeline stages = local worker processes (default: %(default)s)")
+                   help="pipeline stages; local worker processes: stages / --stages-per-worker (default: "
+                   "%(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch (default: %(default)s)")
     p.add_argument("--checkpoint", choices=["always", "except_last", "never"], default="except_last",
                    help=CHECKPOINT_HELP)
@@ -60,6 +70,28 @@ def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=int, default=512, help="width of the MLP's layers (default: %(default)s)")
     p.add_argument("--layers-per-stage", type=int, default=2,
                    help="Linear+ReLU pairs per stage (default: %(default)s)")
+    p.add_argument("--schedule", type=_schedule, metavar="{" + ",".join(SCHEDULES) + "}",
+                   help="run each step as pipe.train_step(ctx, x, target, mse_loss) under this schedule (any "
+                   "case), the loss on the last stage; without it, each step is pipe(x) and pipe.backward, "
+                   "which run GPipe's order")
+    p.add_argument("--stages-per-worker", type=int, default=1,
+                   help="stages on each worker, for --schedule Interleaved1F1B: stage j runs on worker "
+                   "j mod (STAGES / STAGES_PER_WORKER) (default: %(default)s)")
+
+
+def _schedule(name: str) -> str:
+    try:
+        return parse_schedule(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_timeline(args: argparse.Namespace) -> None:
+    """Refuse a pipe the schedule cannot run before any worker starts, saying what to change."""
+    if args.stages_per_worker != 1 and args.schedule is None:
+        raise ValueError(f"--stages-per-worker {args.stages_per_worker} needs --schedule Interleaved1F1B")
+    if args.schedule is not None:
+        check_schedule(args.schedule, args.stages, args.chunks, args.stages_per_worker)
 
 
 def _timeline(args: argparse.Namespace) -> None:
@@ -73,6 +105,7 @@ def _timeline(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed.autograd as dist_autograd
     from torch import nn
+    from torch.nn.functional import mse_loss
 
     from .pipe import Pipe
 
@@ -80,13 +113,18 @@ def _timeline(args: argparse.Namespace) -> None:
     layers = [m for _ in range(args.stages * args.layers_per_stage)
               for m in (nn.Linear(args.width, args.width), nn.ReLU())]
     x = torch.randn(args.batch_size, args.width)
+    target = torch.zeros(args.batch_size, args.width)  # the loss is the output's mean square either way
     with Pipe(nn.Sequential(*layers), chunks=args.chunks, checkpoint=args.checkpoint,
-              devices=["cpu"] * args.stages) as pipe:
+              devices=["cpu"] * args.stages, schedule=args.schedule or "GPipe",
+              stages_per_worker=args.stages_per_worker) as pipe:
         for step in range(args.steps):
             if step == args.steps - 1:
                 pipe.execution_record(clear=True)
             with dist_autograd.context() as ctx:
-                dist_autograd.backward(ctx, [pipe(x).local_value().square().mean()])
+                if args.schedule is None:
+                    dist_autograd.backward(ctx, [mse_loss(pipe(x).local_value(), target)])
+                else:
+                    pipe.train_step(ctx, x, target, mse_loss)
         json_path, png_path = pipe.timeline(args.out)
     print(f"wrote {json_path} (open in https://ui.perfetto.dev or chrome://tracing) and {png_path}")
 
@@ -115,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif rest:
         parser_.error(f"unrecognized arguments: {' '.join(rest)}")
     else:
+        try:
+            _check_timeline(args)
+        except ValueError as exc:
+            parser_.exit(2, f"python -m rrefpipe timeline: {exc}\n")
         try:
             _timeline(args)
         except ImportError as exc:  # matplotlib missing: the JSON trace is written, the picture is not

@@ -35,6 +35,7 @@ class Forwards:
 
     workers: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    rows: int = 0  # samples forwarded: a replica's weight when gradients are averaged over replicas
     outputs: list[list[Any]] = field(default_factory=list)
     remote: int = 0
 

@@ -15,10 +15,13 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from . import _rpc, gradients
+import torch.distributed.autograd as dist_autograd
+
+from . import _rpc, gradients, replicas
 from .errors import Failure
 from .server import _server
 from .trace import Event
+from .transfer import StageStream
 
 __all__: list[str] = []
 
@@ -129,3 +132,41 @@ def backward_running(pipe_id: str, index: int) -> float | None:
 def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
     """Tensors and bytes this stage received, by kind ('activation' or 'skip')."""
     return {kind: (n, b) for kind, (n, b) in _server(pipe_id, index).traffic.items()}
+
+
+# -- replicas (data parallel): one call per worker, for all its stages of the pipe -------------------------
+def _worker_state(pipe_id: str, indices: list[int]) -> tuple[list[Tensor], list[Tensor], StageStream]:
+    """The parameters and buffers of this worker's stages ``indices`` (each once), and their stream."""
+    servers = [_server(pipe_id, j) for j in indices]
+    modules = [server.stage.module for server in servers]
+    params: list[Tensor] = list(dict.fromkeys(p for module in modules for p in module.parameters() if p.requires_grad))
+    buffers = list(dict.fromkeys(b for module in modules for b in module.buffers()))
+    return params, buffers, servers[0].stream
+
+
+def average_replica_gradients(pipe_id: str, indices: list[int], context_id: int, rows: int) -> None:
+    """After ``pipe.backward``: this worker's gradients in the context averaged with the other replicas'
+    (weighted by their ``rows``), in place, and replica 0's buffers taken (:func:`replicas.end_step`)."""
+    params, buffers, stream = _worker_state(pipe_id, indices)
+    stored = dist_autograd.get_gradients(context_id)
+    with stream.running():
+        averaged = replicas.end_step(params, [stored.get(p) for p in params], rows, buffers)
+        missing = []
+        for p, grad in zip(params, averaged):
+            if grad is None:
+                continue
+            if p in stored:
+                stored[p].copy_(grad)
+            else:  # no gradient here, some elsewhere: the context has no entry to copy into
+                missing.append((p, grad))
+        gradients.install(context_id, [p for p, _ in missing], [g for _, g in missing])
+    stream.settle()  # before the reply: the optimizer's step runs on another stream
+
+
+def take_first_replica_state(pipe_id: str, indices: list[int]) -> None:
+    """When a pipe is built: this worker's stages take replica 0's parameters and buffers, so that every
+    replica starts from the same model whatever each process's random state was."""
+    params, buffers, stream = _worker_state(pipe_id, indices)
+    with stream.running(), torch.no_grad():
+        replicas.broadcast_from_first([p.data for p in params] + buffers)
+    stream.settle()

@@ -20,7 +20,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, contexts, control, diagnosis, microbatch, server
+from . import _rpc, autocast, contexts, control, diagnosis, microbatch, replicas, server
 from .dependency import arrival, new_phony
 from .errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
 from .microbatch import TensorOrTensors
@@ -142,9 +142,39 @@ class RemoteDriver:
             for j, stage_routes in enumerate(routes):
                 self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, deliver, keep_phony,
                            reported=False)
+            if replicas.current() is not None:  # one replica of several: all must start as one model
+                replicas.check_same(self._summary())
+                self._call_per_worker(self.pipe_id, self.workers, control.take_first_replica_state)
         except BaseException:
             self.close()
             raise
+
+    def _summary(self) -> list[str]:
+        """What must be the same on every replica: each stage's layers and device, and the settings."""
+        return [f"stage {i.index}: layers {', '.join(i.layers)}, {i.num_parameters} parameters on {i.device}"
+                for i in self.infos] + [f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, schedule="
+                                        f"{self.schedule!r}, stages_per_worker={self.stages_per_worker}"]
+
+    def _call_per_worker(self, pipe_id: str, workers: Sequence[str], fn: Any, *args: Any) -> None:
+        """``fn(pipe_id, [its stages], *args)`` on each worker of a pipe (``workers``: per stage), all at
+        once: a collective between replicas runs once per worker, whatever its stages; a failure names
+        the worker's first stage."""
+        by_worker: dict[str, list[int]] = {}
+        for j, worker in enumerate(workers):
+            by_worker.setdefault(worker, []).append(j)
+        sent = {}
+        for worker, indices in by_worker.items():
+            try:
+                sent[worker] = rpc.rpc_async(worker, control.reporting, args=(fn, pipe_id, indices, *args),
+                                             timeout=self.rpc_timeout)
+            except Exception as exc:
+                raise self._control_failure(indices[0], fn, exc) from exc
+        for worker, call in sent.items():
+            try:
+                result = _rpc.wait(call)
+            except Exception as exc:
+                raise self._control_failure(by_worker[worker][0], fn, exc) from exc
+            _raised_if_failed(by_worker[worker][0], result)
 
     # -- control calls ---------------------------------------------------------------------------
     def _call(self, index: int, fn: Any, *args: Any, reported: bool = True) -> Any:
@@ -296,6 +326,7 @@ class RemoteDriver:
         forwards = None if context_id is None else contexts.forwards(context_id, self.pipe_id, self.workers)
         if forwards is not None:
             forwards.steps.append(step)
+            forwards.rows += microbatch.as_tensors(value)[0].size(0)
         if collector.phony is not None and context_id is not None:  # an output no loss can use
             contexts.keep_unreached(context_id, collector.phony)
             self._warn_no_gradient_output()
@@ -373,6 +404,10 @@ class RemoteDriver:
                 for call in retained:
                     with contextlib.suppress(Exception):
                         call.wait()
+        if replicas.current() is not None:  # every pipe in the context, as each replica's driver does
+            for pipe_id, record in by_pipe.items():
+                self._call_per_worker(pipe_id, record.workers, control.average_replica_gradients, context_id,
+                                      record.rows)
 
     def _retain_context(self, context_id: int, by_pipe: dict[str, contexts.Forwards]) -> list[Future[None]]:
         """Keep a failed backward's context alive here and on every stage worker of the pipes in it

@@ -35,7 +35,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import gradients, microbatch, server
+from . import gradients, microbatch, replicas, server
 from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import checked_loss, weights
@@ -249,13 +249,17 @@ class _StepRun:
             for p in srv.stage.module.parameters():
                 p.grad = None  # gradients accumulate here over the step's micro-batches only
         first = self.servers.get(0)
-        if first is not None and self._value is not None:
+        if first is not None and self._value is not None:  # one copy to the device, not one per micro-batch
             device = first.stage.device
             with first.stream.running():
                 value = microbatch.apply(lambda t: to_device(t, device), self._value)
             self.batches = microbatch.scatter(value, self.plan.chunks)
-        if self._target is not None:
-            self.targets = microbatch.scatter(self._target, self.plan.chunks)
+        last = self.servers.get(self.plan.stages - 1)
+        if last is not None and self._target is not None:  # loss_fn gets it where the output is
+            device = last.stage.device
+            with last.stream.running():
+                target = microbatch.apply(lambda t: to_device(t, device), self._target)
+            self.targets = microbatch.scatter(target, self.plan.chunks)
 
     def _forward(self, j: int, i: int) -> None:
         srv = self.servers[j]
@@ -328,17 +332,20 @@ class _StepRun:
             self._post(srv, source, ("G", source, i, key), [_grad(leaf)], whole=False)
 
     def _install(self) -> None:
-        """Move the parameters' gradients, summed over the step's micro-batches, into the caller's
-        context (adding to what an earlier step in that context left there)."""
+        """Move the parameters' gradients, summed over the step's micro-batches (and averaged over the
+        replicas, if any), into the caller's context, adding to what an earlier step there left."""
+        modules = [srv.stage.module for srv in self.servers.values()]
         params = list(dict.fromkeys(  # once each: a parameter two stages of this worker share got one sum
-            p for srv in self.servers.values() for p in srv.stage.module.parameters() if p.grad is not None))
-        if not params:
-            return
-        grads = [p.grad for p in params]
+            p for module in modules for p in module.parameters() if p.requires_grad))
+        grads: list[Tensor | None] = [p.grad for p in params]
         for p in params:
             p.grad = None
         with next(iter(self.servers.values())).stream.running():  # a worker's stages share its device
-            gradients.install(self.plan.context_id, params, grads)  # type: ignore[arg-type]
+            if replicas.current() is not None:
+                buffers = list(dict.fromkeys(b for module in modules for b in module.buffers()))
+                grads = replicas.end_step(params, grads, sum(self.plan.rows), buffers)
+            kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+            gradients.install(self.plan.context_id, [p for p, _ in kept], [g for _, g in kept])
 
     # -- messages ----------------------------------------------------------------------------------
     def _take(self, key: Key, what: Callable[[], str]) -> Payload:

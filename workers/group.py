@@ -15,6 +15,12 @@ stages (:func:`workers.serve`) and exits the process (status 0) when the driver 
 the block, or when the driver is gone. There is no launcher protocol of rrefpipe's own: only torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``), so any launcher that sets those works.
+
+``torchrun_group(replicas=R)`` runs R replicas of the pipeline (data parallel): R drivers, each with
+WORLD_SIZE / R - 1 stage workers of its own (see :class:`GroupEnv` for which rank is which). The drivers
+yield their replica's workers, and every rank also joins a c10d process group (gloo; NCCL too for CUDA
+stages) in which stage worker k of every replica averages its gradients with the others after each
+step (:mod:`rrefpipe.replicas`).
 """
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .network import configure_interface
@@ -32,9 +40,21 @@ from .options import (DEFAULT_RPC_TIMEOUT, DRIVER_RPC_THREADS, LOCAL_TRANSPORTS,
                       maps_to_later_workers)
 from .serve import serve, stop_workers
 
-__all__ = ["GroupEnv", "torchrun_group", "stage_devices"]
+__all__ = ["GroupEnv", "StageWorkers", "torchrun_group", "stage_devices", "LAYOUTS"]
 
 DRIVER = "driver"
+LAYOUTS = ("replica", "stage")
+
+
+class StageWorkers(list[str]):
+    """The stage workers of this driver's replica (a list of names, as before replicas existed), with
+    its place among the replicas: ``replica`` (0-based) and ``replicas``, for a
+    ``DistributedSampler(dataset, num_replicas=workers.replicas, rank=workers.replica)``."""
+
+    def __init__(self, names: Sequence[str], replica: int = 0, replicas: int = 1) -> None:
+        super().__init__(names)
+        self.replica = replica
+        self.replicas = replicas
 
 
 @dataclass(frozen=True)
@@ -51,9 +71,17 @@ class GroupEnv:
     #: ``--nproc-per-node`` already assumes); ``None``: unknown, ``devices="cuda"`` then maps rank k to
     #: ``cuda:LOCAL_RANK`` whatever the node has.
     gpus_per_node: int | None = None
+    #: Replicas of the pipeline (data parallel), each of ``WORLD_SIZE / replicas`` ranks: a driver and
+    #: its stage workers. ``layout="replica"``: replica r is ranks r*S .. r*S+S-1 (its driver first), so
+    #: ``--nproc-per-node S`` puts each replica on a host of its own. ``layout="stage"``: ranks 0..R-1
+    #: are the drivers, then stage worker k of every replica in turn (ranks R(k+1) + r), which spreads a
+    #: replica's stages over the hosts.
+    replicas: int = 1
+    layout: str = "replica"
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> GroupEnv:
+    def from_environ(cls, environ: Mapping[str, str] | None = None, replicas: int = 1,
+                     layout: str = "replica") -> GroupEnv:
         env = os.environ if environ is None else environ
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
@@ -61,21 +89,68 @@ class GroupEnv:
                                "torchrun (or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as it does)")
         group = cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), master_addr=env["MASTER_ADDR"],
                     master_port=int(env["MASTER_PORT"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), gpus_per_node=torch.cuda.device_count())
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), gpus_per_node=torch.cuda.device_count(),
+                    replicas=replicas, layout=layout)
         if group.world_size < 2:
             raise RuntimeError(f"WORLD_SIZE is {group.world_size}: a pipeline group needs rank 0 (the driver) and at "
                                "least one stage worker; launch with --nproc-per-node >= 2 or on several nodes")
         if not 0 <= group.rank < group.world_size:
             raise RuntimeError(f"RANK {group.rank} is outside WORLD_SIZE {group.world_size}")
+        group.check_replicas()
         return group
+
+    def check_replicas(self) -> None:
+        """``replicas`` and ``layout`` fit the job, or a ValueError says what to launch."""
+        r = self.replicas
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"replicas must be a positive int, got {r!r}")
+        if self.world_size % r or self.world_size // r < 2:
+            raise ValueError(f"WORLD_SIZE {self.world_size} does not split into replicas={r} of a driver and at least "
+                             f"one stage worker each: launch replicas x (1 + stage workers) processes, a multiple of "
+                             f"{r} and at least {2 * r}")
+
+    @property
+    def per_replica(self) -> int:
+        """Ranks per replica: its driver and its stage workers."""
+        return self.world_size // self.replicas
+
+    def rank_of(self, replica: int, position: int) -> int:
+        """The rank of stage worker ``position`` (0-based) of ``replica``; position -1 is its driver."""
+        if self.layout == "replica":
+            return replica * self.per_replica + position + 1
+        return self.replicas * (position + 1) + replica
+
+    def place_of(self, rank: int) -> tuple[int, int]:
+        """(replica, position) of ``rank``; position -1 for a driver."""
+        if self.layout == "replica":
+            return divmod(rank, self.per_replica)[0], rank % self.per_replica - 1
+        return rank % self.replicas, rank // self.replicas - 1
+
+    def name_of(self, rank: int) -> str:
+        replica, position = self.place_of(rank)
+        if position >= 0:
+            return f"worker{rank}"
+        return DRIVER if replica == 0 else f"{DRIVER}{replica}"
+
+    @property
+    def replica(self) -> int:
+        return self.place_of(self.rank)[0]
 
     @property
     def name(self) -> str:
-        return DRIVER if self.rank == 0 else f"worker{self.rank}"
+        return self.name_of(self.rank)
+
+    @property
+    def driver(self) -> str:
+        """The driver of this rank's replica."""
+        return self.name_of(self.rank_of(self.replica, -1))
 
     @property
     def stage_workers(self) -> list[str]:
-        return [f"worker{k}" for k in range(1, self.world_size)]
+        """The stage workers of this rank's replica, in stage order."""
+        return [self.name_of(self.rank_of(self.replica, k)) for k in range(self.per_replica - 1)]
 
     def cuda_device(self, rank: int) -> str:
         """The GPU ``devices="cuda"`` gives the stage worker of ``rank``: ``cuda:LOCAL_RANK``, wrapped
@@ -106,24 +181,28 @@ def stage_devices(
     whole job.
     """
     def device_of(rank: int) -> str:
-        if rank == 0:
+        position = group.place_of(rank)[1]
+        if position < 0:
             return "cpu"
         if devices == "cuda":
             return group.cuda_device(rank)
         assert not isinstance(devices, str) and devices is not None
-        return device_name(devices[rank - 1])
+        return device_name(devices[position])
 
+    workers = group.per_replica - 1
     if isinstance(devices, str) and devices != "cuda":
         raise ValueError(f"devices must be None, 'cuda' or one device per stage worker, got {devices!r}")
-    if devices is not None and not isinstance(devices, str) and len(devices) != group.world_size - 1:
-        raise ValueError(f"devices has {len(devices)} entries for {group.world_size - 1} stage workers "
-                         f"(ranks 1..{group.world_size - 1})")
+    if devices is not None and not isinstance(devices, str) and len(devices) != workers:
+        raise ValueError(f"devices has {len(devices)} entries for {workers} stage workers" +
+                         (f" (ranks 1..{workers})" if group.replicas == 1 else " per replica"))
     maps: dict[str, dict[str, str]] = {}
     used: set[str] = set()  # TensorPipe wants every device a rank sends from or receives on in its list
-    if devices is not None and group.rank > 0:
+    replica, position = group.place_of(group.rank)
+    if devices is not None and position >= 0:
         own = device_of(group.rank)
         used.add(own)
-        maps = maps_to_later_workers(own, {f"worker{r}": device_of(r) for r in range(group.rank + 1, group.world_size)})
+        later = [group.rank_of(replica, k) for k in range(position + 1, workers)]  # of this replica
+        maps = maps_to_later_workers(own, {group.name_of(r): device_of(r) for r in later})
     for peer, mapping in (device_maps or {}).get(group.name, {}).items():
         maps.setdefault(peer, {}).update(mapping)
     used |= {src for mapping in maps.values() for src in mapping}
@@ -145,15 +224,19 @@ def torchrun_group(
     num_worker_threads: int | None = None,
     threads: int | None = None,
     interop_threads: int | None = STAGE_INTEROP_THREADS,
-) -> Iterator[list[str]]:
-    """Join the job's RPC group. On rank 0 yield the stage workers' names; on other ranks serve and exit.
+    replicas: int = 1,
+    layout: str = "replica",
+    collective_timeout: float | None = None,
+) -> Iterator[StageWorkers]:
+    """Join the job's RPC group. On each driver yield its replica's stage workers; on other ranks serve and exit.
 
     Args:
         interface: network interface (or an address of this host) to bind and advertise; default ``lo``
             when ``MASTER_ADDR`` is loopback, else ``TP_SOCKET_IFNAME`` if set, else TensorPipe's guess
             (with a warning naming the interface the route to the master uses).
         rpc_timeout: seconds an RPC may take once the group is up (``startup_timeout`` while joining).
-        devices: CUDA stages across hosts, see :func:`stage_devices`.
+        devices: CUDA stages across hosts, see :func:`stage_devices` (with replicas: one device per stage
+            worker of a replica, the same for every replica).
         device_maps: TensorPipe device maps added to (or overriding) those ``devices`` implies, see
             :func:`stage_devices`.
         transports: TensorPipe's transports (default: TCP only).
@@ -162,24 +245,57 @@ def torchrun_group(
             ``STAGE_RPC_THREADS`` on stage workers).
         threads: intra-op threads of a stage worker.
         interop_threads: inter-op threads of a stage worker (``None`` keeps PyTorch's default).
+        replicas: replicas of the pipeline (data parallel): WORLD_SIZE / replicas ranks each, a driver
+            and its stage workers; every driver runs the block with its own replica's workers.
+        layout: which rank is which with replicas: ``"replica"`` (each replica's ranks contiguous, so
+            ``--nproc-per-node WORLD_SIZE/replicas`` keeps a replica on one host) or ``"stage"`` (the
+            drivers first, then stage worker k of every replica in turn), see :class:`GroupEnv`.
+        collective_timeout: seconds a collective between replicas (averaging gradients) may wait for
+            the others before the step fails; default ``rpc_timeout``. A replica that stops taking part
+            (dead, or out of data) fails the others' steps after this long, not c10d's 30 minutes.
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
-    group = GroupEnv.from_environ()
+    group = GroupEnv.from_environ(replicas=replicas, layout=layout)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = group.master_addr, str(group.master_port)
     configure_interface(interface, group.master_addr, who=f"rank {group.rank} ({group.name})")
     own_devices, maps = stage_devices(group, devices, device_maps)
     if num_worker_threads is None:
-        num_worker_threads = DRIVER_RPC_THREADS if group.rank == 0 else STAGE_RPC_THREADS
+        num_worker_threads = DRIVER_RPC_THREADS if group.place_of(group.rank)[1] < 0 else STAGE_RPC_THREADS
     options = backend_options(num_worker_threads=num_worker_threads, transports=transports, channels=channels,
                               devices=own_devices, device_maps=maps, rpc_timeout=max(rpc_timeout, startup_timeout))
-    if group.rank != 0:
-        serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=DRIVER,
-              threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout)
+    cuda = devices is not None or any(d.startswith("cuda") for m in maps.values() for d in m)
+    join = None if group.replicas == 1 else (
+        lambda: _join_replicas(group, "cpu:gloo,cuda:nccl" if cuda else "gloo", collective_timeout or rpc_timeout))
+    if group.name != group.driver:
+        serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=group.driver,
+              threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout, after_join=join)
         raise SystemExit(0)  # not reached: serve leaves the process
-    init_rpc(DRIVER, rank=0, world_size=group.world_size, options=options)
+    init_rpc(group.name, rank=group.rank, world_size=group.world_size, options=options)
     rpc._set_rpc_timeout(rpc_timeout)
     try:
-        yield group.stage_workers
+        if join is not None:
+            join()
+        yield StageWorkers(group.stage_workers, group.replica, group.replicas)
     finally:
         stop_workers(group.stage_workers)
+        if group.replicas > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
+    """On every rank: the job's c10d group, then one group per stage-worker position (stage worker k of
+    every replica, which average their gradients) and the drivers' (which compare their pipes). Group
+    creation is collective over the whole job, so every rank creates every group, in the same order."""
+    from rrefpipe import replicas
+
+    limit = timedelta(seconds=timeout)
+    dist.init_process_group(backend, rank=group.rank, world_size=group.world_size, timeout=limit)
+    groups = {}
+    for position in range(-1, group.per_replica - 1):
+        ranks = [group.rank_of(r, position) for r in range(group.replicas)]
+        groups[position] = (ranks, dist.new_group(ranks, timeout=limit))
+    replica, position = group.place_of(group.rank)
+    ranks, process_group = groups[position]
+    replicas.join(replicas.Membership(replica=replica, replicas=group.replicas, group=process_group, ranks=ranks,
+                                      names=[group.name_of(r) for r in ranks], timeout=timeout))

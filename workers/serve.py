@@ -157,11 +157,13 @@ def serve(
     threads: int | None = None,
     interop_threads: int | None = STAGE_INTEROP_THREADS,
     rpc_timeout: float | None = None,
+    after_join: Callable[[], None] | None = None,
 ) -> None:
     """Serve stages as RPC worker ``name`` until stopped or orphaned.
 
     ``options.rpc_timeout`` applies while joining the group; ``rpc_timeout``, if given, from then on.
     ``interop_threads``: see ``workers.options.STAGE_INTEROP_THREADS`` (None keeps PyTorch's default).
+    ``after_join``: run once the RPC group is up (the replicas' process groups, see ``workers.group``).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -178,6 +180,8 @@ def serve(
     if rpc_timeout is not None:
         rpc._set_rpc_timeout(rpc_timeout)
     _check_driver_joined(name, driver)
+    if after_join is not None:
+        after_join()
     _freeze_start_up_objects()
     watched = _start_watches(name, ping_interval, watch_stdin)
     graceful = _ping_driver(name, driver, ping_interval, watched)
