@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Membership", "join", "current", "average_gradients", "broadcast_from_first", "end_step", "check_same",
-           "peers_unreachable"]
+           "unreachable"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Membership:
     ranks: list[int]  # the group's global ranks, by replica
     names: list[str]  # their RPC names, by replica
     timeout: float  # seconds a collective waits for the other replicas
+    job: tuple[str, ...] = ()  # the RPC names of every rank of the job: who to ask when a collective fails
 
 
 _membership: Membership | None = None
@@ -76,33 +77,43 @@ def broadcast_from_first(tensors: Sequence[Tensor]) -> None:
 def end_step(params: Sequence[Tensor], grads: Sequence[Tensor | None], rows: int,
              buffers: Sequence[Tensor]) -> list[Tensor | None]:
     """What a stage worker does at the end of a step: its gradients averaged over the replicas (see
-    :func:`average_gradients`), and replica 0's buffers taken. A failure names the replicas' workers
-    that do not answer (dead, or stuck in a layer), where the collective's own error names none."""
+    :func:`average_gradients`), and replica 0's buffers taken. A failure names the job's processes that
+    do not answer (dead, or stuck in a layer), where the collective's own error names none."""
     try:
         averaged = average_gradients(grads, rows, params)
         if buffers:
             broadcast_from_first(buffers)
     except Exception as exc:
         m = _require()
-        gone = peers_unreachable()
-        who = f"worker {gone[0]!r} of replica {m.names.index(gone[0])} does not answer" if gone else (
-            "every replica's worker answers: a replica may have run fewer steps (out of data?)")
+        gone = unreachable()
+        who = (f"{', '.join(repr(name) for name in gone)} of the job {'is' if len(gone) == 1 else 'are'} gone or "
+               "do not answer" if gone else "every process of the job answers: a replica may have run fewer steps "
+               "(out of data?) or stopped training")
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise RuntimeError(f"averaging gradients with the other replicas ({', '.join(m.names)}) failed: {who} "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                           f"({type(exc).__name__}: {first_line})") from exc
     return averaged
 
 
-def peers_unreachable() -> list[str]:
-    """The other replicas' members of this group that do not answer a ping within 2 s."""
+def unreachable(within: float = 2.0) -> list[str]:
+    """The job's other processes that do not answer a ping within ``within`` seconds (asked all at once)."""
     import torch.distributed.rpc as rpc
 
     m = _require()
+    me = rpc.get_worker_info().name
+    pings = {}
+    for name in m.job or m.names:
+        if name != me:
+            try:
+                pings[name] = rpc.rpc_async(name, _alive, timeout=within)
+            except Exception:
+                pings[name] = None
     gone = []
-    for replica, name in enumerate(m.names):
-        if replica == m.replica:
-            continue
+    for name, ping in pings.items():
         try:
-            rpc.rpc_sync(name, _alive, timeout=2)
+            if ping is None:
+                raise RuntimeError
+            ping.wait()
         except Exception:
             gone.append(name)
     return gone

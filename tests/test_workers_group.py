@@ -192,3 +192,54 @@ def test_example_script_under_torchrun_on_one_host():
     assert proc.stdout.count("stages:") == 1  # the driver's code ran once, on rank 0
     line = [x for x in proc.stdout.splitlines() if x.startswith("plain PyTorch, same seed")][0]
     assert float(line.rsplit("largest parameter difference ", 1)[1].rstrip(")")) < 1e-4, line
+
+
+# -- replicas (data parallel) ------------------------------------------------------------------------------
+def replicated(rank: int, layout: str, world_size: int = 6, replicas: int = 2) -> GroupEnv:
+    return dataclasses.replace(group(rank, world_size=world_size, local_world_size=3), replicas=replicas,
+                               layout=layout)
+
+
+def test_replica_layout_keeps_each_replicas_ranks_together():
+    places = [replicated(k, "replica").place_of(k) for k in range(6)]
+    assert places == [(0, -1), (0, 0), (0, 1), (1, -1), (1, 0), (1, 1)]
+    names = [replicated(0, "replica").name_of(k) for k in range(6)]
+    assert names == ["driver", "worker1", "worker2", "driver1", "worker4", "worker5"]
+    assert replicated(4, "replica").driver == "driver1"
+    assert replicated(3, "replica").stage_workers == ["worker4", "worker5"]
+    assert replicated(0, "replica").stage_workers == ["worker1", "worker2"]  # replica 0 keeps today's names
+
+
+def test_stage_layout_puts_the_drivers_first_then_each_stage_of_every_replica():
+    places = [replicated(k, "stage").place_of(k) for k in range(6)]
+    assert places == [(0, -1), (1, -1), (0, 0), (1, 0), (0, 1), (1, 1)]
+    g = replicated(1, "stage")
+    assert g.name == "driver1" and g.stage_workers == ["worker3", "worker5"]
+    assert [g.rank_of(r, p) for r in range(2) for p in (-1, 0, 1)] == [0, 2, 4, 1, 3, 5]
+    # two nodes of 3 processes: replica 0's stages (ranks 2, 4) on different nodes
+    assert {2 // 3, 4 // 3} == {0, 1}
+
+
+def test_one_replica_is_the_group_as_before():
+    g = group(2)
+    assert (g.replicas, g.name, g.driver, g.stage_workers) == (1, "worker2", "driver",
+                                                              ["worker1", "worker2", "worker3"])
+
+
+def test_replicas_must_split_the_job():
+    with pytest.raises(ValueError, match="WORLD_SIZE 5 does not split into replicas=2 .* a multiple of 2"):
+        GroupEnv.from_environ(dict(TORCHRUN_ENV, WORLD_SIZE="5"), replicas=2)
+    with pytest.raises(ValueError, match="WORLD_SIZE 4 does not split into replicas=4"):
+        GroupEnv.from_environ(TORCHRUN_ENV, replicas=4)  # a driver alone is no pipeline
+    with pytest.raises(ValueError, match="layout must be one of"):
+        GroupEnv.from_environ(TORCHRUN_ENV, replicas=2, layout="ring")
+    with pytest.raises(ValueError, match="replicas must be a positive int"):
+        GroupEnv.from_environ(TORCHRUN_ENV, replicas=0)
+
+
+def test_device_maps_stay_within_a_replica():
+    g = dataclasses.replace(replicated(4, "replica"), gpus_per_node=None)
+    own, maps = stage_devices(g, ["cuda:0", "cuda:1"])
+    assert own == ["cuda:0"] and maps == {"worker5": {"cuda:0": "cuda:1"}}  # not worker1/worker2 of replica 0
+    with pytest.raises(ValueError, match="devices has 3 entries for 2 stage workers per replica"):
+        stage_devices(g, ["cuda:0", "cuda:1", "cuda:2"])

@@ -298,4 +298,5 @@ def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
     replica, position = group.place_of(group.rank)
     ranks, process_group = groups[position]
     replicas.join(replicas.Membership(replica=replica, replicas=group.replicas, group=process_group, ranks=ranks,
-                                      names=[group.name_of(r) for r in ranks], timeout=timeout))
+                                      names=[group.name_of(r) for r in ranks], timeout=timeout,
+                                      job=tuple(group.name_of(r) for r in range(group.world_size))))

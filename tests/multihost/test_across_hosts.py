@@ -93,3 +93,27 @@ def test_example_under_torchrun_over_a_slow_link(make_lab):
     drift = float(line[0].rsplit("largest parameter difference ", 1)[1].rstrip(")"))
     assert drift < 1e-4, line[0]
     assert "worker 'worker2'" in out and "stages:" not in lab.output("node1")
+
+
+@pytest.mark.timeout(150)
+def test_data_parallel_replicas_spread_over_two_hosts(make_lab):
+    """``examples/data_parallel.py --replicas 2 --layout stage`` on two hosts of 3 processes: ranks 0, 1
+    (host 0) drive the two replicas, and each replica has one stage worker on each host (ranks 2, 4 and
+    3, 5), so activations and the gradients' averaging cross the link; both drivers end equal to plain
+    PyTorch on the whole batch."""
+    lab = make_lab(2)
+    node0, node1 = lab.hosts
+    before = {h: lab.counters(h) for h in lab.hosts}
+    script = ["examples/data_parallel.py", "--replicas", "2", "--layout", "stage", "--interface", IFNAME,
+              "--steps", "3"]
+    procs = [lab.spawn(node0, torchrun_cmd(node0, node0, 3, script), name="node0"),
+             lab.spawn(node1, torchrun_cmd(node1, node0, 3, script), name="node1")]
+    codes = wait_all(lab, procs, timeout=130)
+    assert codes == [0, 0], f"torchrun exit statuses {codes}:\n{lab.outputs()}"
+    out = lab.output("node0")
+    drifts = [float(x.rsplit(": ", 1)[1]) for x in out.splitlines() if "max parameter difference from plain" in x]
+    assert len(drifts) == 2 and max(drifts) < 1e-5, out
+    assert "stage 0: worker 'worker2'" in out and "stage 1: worker 'worker4'" in out, out  # replica 0: hosts 0, 1
+    assert "max parameter difference" not in lab.output("node1")  # no driver there
+    moved = traffic(lab, before)
+    assert moved[node1]["tx"] > 0 and moved[node0]["rx"] > 0

@@ -1,0 +1,241 @@
+"""The script of the data-parallel tests, run under ``torchrun`` by tests/replicas/test_replicas.py: R
+replicas of a pipeline, every driver checking itself against plain PyTorch on the whole batch (all
+replicas' shares) and printing ``OK <what>`` lines, or provoking the failure its ``--mode`` names.
+
+Modes:
+- ``train``: train_step under GPipe and 1F1B, checkpoint 'never' and 'always', momentum SGD and Adam;
+  pipe(x) + pipe.backward; one replica's last share smaller than the others'; clip_grad_norm_;
+  GradScaler with an overflow in one replica only; deferred BatchNorm (every replica keeps replica 0's
+  statistics, as DistributedDataParallel does); state_dict and resuming from it.
+- ``mismatch``: replica 1 builds another model: both drivers get a ValueError at once.
+- ``extra-step``: replica 0 runs one step more than replica 1: its step fails after the collective timeout.
+- ``kill-worker``: replica 0's last stage worker dies in a step: every driver gets an error naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.optim import DistributedOptimizer
+
+import workers
+from rrefpipe import GradScaler, Pipe, StageError, replicas
+from tests.distributed.probes import stage_gradients
+
+FEATURES, CLASSES = 6, 3
+
+
+def mlp(seed: int = 0, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, CLASSES))
+
+
+def batches(steps: int, rows: list[int], seed: int = 1) -> list[list[tuple[Tensor, Tensor]]]:
+    """Per step, every replica's share (``rows[r]`` samples each), the same on every driver."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)) for n in rows]
+            for _ in range(steps)]
+
+
+def whole(shares: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    return torch.cat([x for x, _ in shares]), torch.cat([y for _, y in shares])
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, shares: list[tuple[Tensor, Tensor]]) -> float:
+    opt.zero_grad()
+    x, y = whole(shares)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def assert_same_parameters(pipe: Pipe, plain: nn.Module, what: str) -> None:
+    state = pipe.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+def same_on_every_replica(state: dict[str, Tensor], what: str) -> None:
+    """Every driver holds the same ``state`` (compared over the drivers' group)."""
+    group = replicas.current()
+    assert group is not None
+    gathered: list[dict[str, Tensor] | None] = [None] * group.replicas
+    dist.all_gather_object(gathered, state, group=group.group)
+    for other in gathered[1:]:
+        assert other is not None and other.keys() == state.keys(), what
+        for k in state:
+            torch.testing.assert_close(other[k], gathered[0][k], rtol=0, atol=0,  # type: ignore[index]
+                                       msg=lambda m, k=k: f"{what}: replicas differ in {k}: {m}")
+
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.02})}
+
+
+def train(stage_workers: workers.StageWorkers) -> None:
+    r, n = stage_workers.replica, stage_workers.replicas
+    rows = [4] * n
+    for schedule, checkpoint, optimizer in [("GPipe", "never", "sgd"), ("1F1B", "always", "sgd"),
+                                            ("1F1B", "never", "adam"), ("GPipe", "always", "adam")]:
+        model = mlp()
+        plain = copy.deepcopy(model)
+        cls, kwargs = OPTIMIZERS[optimizer]
+        plain_opt = cls(plain.parameters(), **kwargs)
+        steps = batches(3, rows) + batches(1, [4] * (n - 1) + [2], seed=2)  # the last replica's last share: 2 rows
+        with Pipe(model, chunks=2, checkpoint=checkpoint, balance=[3, 2], workers=stage_workers,
+                  schedule=schedule) as pipe:
+            opt = DistributedOptimizer(cls, pipe.parameter_rrefs(), **kwargs)
+            for shares in steps:
+                x, y = shares[r]
+                with dist_autograd.context() as ctx:
+                    pipe.train_step(ctx, x, y, F.cross_entropy)
+                    grads = stage_gradients(pipe, ctx)
+                    opt.step(ctx)
+                plain_step(plain, plain_opt, shares)
+            for name, p in plain.named_parameters():  # the last step's: averaged by rows over the replicas
+                torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+            assert_same_parameters(pipe, plain, f"{schedule} {checkpoint} {optimizer}")
+        print(f"OK replica {r}: train_step {schedule} checkpoint={checkpoint} {optimizer}", flush=True)
+
+    # pipe(x) + pipe.backward, uneven shares, then clipping the averaged gradients
+    model = mlp()
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        for shares in batches(2, [4] * (n - 1) + [3], seed=3):
+            x, y = shares[r]
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+                norm = pipe.clip_grad_norm_(ctx, max_norm=0.05)
+                opt.step(ctx)
+            plain_opt.zero_grad()
+            px, py = whole(shares)
+            F.cross_entropy(plain(px), py).backward()
+            plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.05)
+            plain_opt.step()
+            torch.testing.assert_close(norm, plain_norm)
+        assert_same_parameters(pipe, plain, "pipe.backward + clip_grad_norm_")
+    print(f"OK replica {r}: pipe.backward, clip_grad_norm_", flush=True)
+
+    # GradScaler: an overflow in the last replica's share only; every replica skips that step
+    model = mlp()
+    with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        scaler = GradScaler(pipe, init_scale=2.0 ** 10)
+        scales = []
+        for k, shares in enumerate(batches(3, rows, seed=4)):
+            x, y = shares[r]
+            if k == 1 and r == n - 1:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            with dist_autograd.context() as ctx:
+                pipe.train_step(ctx, x, y, F.cross_entropy, scaler=scaler)
+                scaler.step(opt, ctx)
+                scaler.update()
+            scales.append(scaler.get_scale())
+        assert scales == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], scales
+        same_on_every_replica(pipe.state_dict(), "GradScaler")
+    print(f"OK replica {r}: GradScaler skips the same steps", flush=True)
+
+    # deferred BatchNorm: replica 0's statistics everywhere; save and resume
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, CLASSES))
+    shares = batches(1, rows, seed=6)[0]
+    with Pipe(copy.deepcopy(model), chunks=2, balance=[2, 2], workers=stage_workers, deferred_batch_norm=True,
+              schedule="1F1B") as pipe:
+        with dist_autograd.context() as ctx:
+            pipe.train_step(ctx, *shares[r], F.cross_entropy)
+        state = pipe.state_dict()
+    same_on_every_replica(state, "deferred BatchNorm")
+    first = copy.deepcopy(model[:2])
+    first(shares[0][0])  # a plain BatchNorm over replica 0's share, in training mode
+    torch.testing.assert_close(state["1.running_mean"], first[1].running_mean)
+    torch.testing.assert_close(state["1.running_var"], first[1].running_var)
+    with Pipe(copy.deepcopy(model), chunks=2, balance=[2, 2], workers=stage_workers, deferred_batch_norm=True) as again:
+        again.load_state_dict(state)
+        same_on_every_replica(again.state_dict(), "resumed")
+        torch.testing.assert_close(again.state_dict()["1.running_mean"], state["1.running_mean"])
+    print(f"OK replica {r}: deferred BatchNorm, resume", flush=True)
+
+
+def mismatch(stage_workers: workers.StageWorkers) -> None:
+    width = 8 if stage_workers.replica == 0 else 9
+    try:
+        Pipe(mlp(width=width), chunks=2, balance=[3, 2], workers=stage_workers)
+    except ValueError as exc:
+        print(f"REFUSED replica {stage_workers.replica}: {exc}", flush=True)
+        return
+    raise AssertionError("a pipe unlike the other replica's was built")
+
+
+def extra_step(stage_workers: workers.StageWorkers) -> None:
+    r = stage_workers.replica
+    with Pipe(mlp(), chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        steps = batches(2 if r == 0 else 1, [4] * stage_workers.replicas)
+        start = time.monotonic()
+        try:
+            for shares in steps:
+                with dist_autograd.context() as ctx:
+                    pipe.train_step(ctx, *shares[r], F.cross_entropy)
+        except StageError as exc:
+            print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+            return
+    print(f"DONE replica {r}", flush=True)
+
+
+class DieOnStep(nn.Module):
+    """Kills its worker process (SIGKILL) in the forward of its ``step``-th call on replica 0."""
+
+    def __init__(self, step: int, replica: int) -> None:
+        super().__init__()
+        self.step, self.replica, self.calls = step, replica, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.replica == 0 and self.calls == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def kill_worker(stage_workers: workers.StageWorkers) -> None:
+    r = stage_workers.replica
+    model = nn.Sequential(*mlp(), DieOnStep(step=5, replica=r))  # micro-batch 0 of step 2 (2 per step)
+    start = time.monotonic()
+    try:
+        with Pipe(model, chunks=2, balance=[3, 3], workers=stage_workers, schedule="1F1B") as pipe:
+            for shares in batches(4, [4] * stage_workers.replicas):
+                start = time.monotonic()
+                with dist_autograd.context() as ctx:
+                    pipe.train_step(ctx, *shares[r], F.cross_entropy)
+    except StageError as exc:
+        print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        return
+    raise AssertionError("the steps went on without a worker")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["train", "mismatch", "extra-step", "kill-worker"], default="train")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--layout", default="replica")
+    p.add_argument("--interface")
+    p.add_argument("--collective-timeout", type=float)
+    args = p.parse_args()
+    with workers.torchrun_group(replicas=args.replicas, layout=args.layout, interface=args.interface, threads=1,
+                                rpc_timeout=60, collective_timeout=args.collective_timeout) as stage_workers:
+        {"train": train, "mismatch": mismatch, "extra-step": extra_step, "kill-worker": kill_worker}[args.mode](
+            stage_workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Data parallel x pipeline parallel under ``torchrun`` on this host: 2 replicas of a 2-stage pipeline (6
+processes) train as plain PyTorch does on the whole batch, and mistakes and failures end every
+replica's run with an error that names the cause, in bounded time (tests/replicas/check_replicas.py)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, record_surfacing
+
+SCRIPT = "tests/replicas/check_replicas.py"
+
+
+def torchrun(*args: str, timeout: float, nproc: int = 6) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``torchrun --standalone`` of ``args`` on this host; the finished process and its wall time."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    return proc, time.monotonic() - start
+
+
+def lines(proc: subprocess.CompletedProcess[str], prefix: str) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+
+
+def no_process_left() -> None:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left = [line for line in ps.splitlines() if SCRIPT in line or "examples/data_parallel.py" in line]
+    assert not left, f"processes of the job outlived it:\n{left}"
+
+
+@pytest.mark.timeout(180)
+def test_replicas_train_as_plain_pytorch_on_the_whole_batch():
+    """GPipe and 1F1B, checkpointing on and off, momentum SGD and Adam, a smaller last share on one
+    replica, pipe.backward with clipping, GradScaler, deferred BatchNorm and resuming: every driver
+    matches plain PyTorch on both replicas' samples (or, for the buffers, replica 0's)."""
+    proc, _ = torchrun(SCRIPT, "--mode", "train", timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok = lines(proc, "OK ")
+    assert len(ok) == 14, "\n".join(ok) + proc.stderr[-3000:]
+    assert {line.split(":")[0] for line in ok} == {"OK replica 0", "OK replica 1"}
+    no_process_left()
+
+
+@pytest.mark.timeout(120)
+def test_example_trains_two_replicas_as_plain_pytorch():
+    proc, _ = torchrun("examples/data_parallel.py", "--replicas", "2", "--steps", "5", "--schedule", "GPipe",
+                       "--optimizer", "adam", timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    drifts = [float(line.rsplit(": ", 1)[1]) for line in proc.stdout.splitlines()
+              if "max parameter difference from plain PyTorch" in line]
+    assert len(drifts) == 2 and max(drifts) < 1e-5, proc.stdout
+    no_process_left()
+
+
+@pytest.mark.timeout(120)
+def test_replicas_that_build_different_pipes_are_refused_at_once():
+    proc, _ = torchrun(SCRIPT, "--mode", "mismatch", timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    refused = lines(proc, "REFUSED ")
+    assert len(refused) == 2, proc.stdout + proc.stderr[-3000:]
+    assert "the replicas built different pipes" in proc.stdout
+    assert "replica 0: 'stage 0: layers 0: Linear, 1: ReLU, 2: Linear, 128 parameters on cpu'" in proc.stdout
+    assert "replica 1: 'stage 0: layers 0: Linear, 1: ReLU, 2: Linear, 153 parameters on cpu'" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_with_one_more_step_fails_it_instead_of_waiting():
+    """Replica 1 runs out of data a step early and leaves: replica 0's extra step fails, naming the
+    processes that are gone, within the collective timeout (5 s here), not c10d's 30 minutes."""
+    proc, _ = torchrun(SCRIPT, "--mode", "extra-step", "--collective-timeout", "5", timeout=110)
+    assert lines(proc, "DONE replica 1"), proc.stdout + proc.stderr[-3000:]
+    failed = lines(proc, "FAILED replica 0")
+    assert failed, proc.stdout + proc.stderr[-3000:]
+    seconds = float(re.search(r"after ([\d.]+)s", failed[0]).group(1))  # type: ignore[union-attr]
+    assert seconds < 5 + 5, failed[0]
+    assert "averaging gradients with the other replicas" in failed[0] and "worker4" in failed[0], failed[0]
+    record_surfacing("a replica with one more step", "averaging fails", seconds)
+    no_process_left()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_stage_worker_fails_every_replica_naming_it():
+    """Replica 0's last stage worker is SIGKILLed in a step: its driver names it (WorkerError); the
+    other replica's averaging fails naming it among the processes gone (torchrun then stops the job);
+    the whole job is gone within seconds."""
+    proc, wall = torchrun(SCRIPT, "--mode", "kill-worker", timeout=110)
+    assert proc.returncode != 0  # torchrun reports the killed process
+    first = lines(proc, "FAILED replica 0")
+    assert first and "stage 1 on worker 'worker2'" in first[0] and "WorkerError" in first[0], \
+        proc.stdout + proc.stderr[-3000:]
+    seconds = float(re.search(r"after ([\d.]+)s", first[0]).group(1))  # type: ignore[union-attr]
+    assert seconds < 10, first[0]
+    record_surfacing("replica's stage worker killed", "its driver's WorkerError", seconds)
+    other = lines(proc, "FAILED replica 1")  # may be missing: torchrun can stop the job before it prints
+    assert all("'worker2'" in line for line in other), other
+    assert wall < 60, wall
+    no_process_left()
