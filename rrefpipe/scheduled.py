@@ -343,7 +343,10 @@ class _StepRun:
         with next(iter(self.servers.values())).stream.running():  # a worker's stages share its device
             if replicas.current() is not None:
                 buffers = list(dict.fromkeys(b for module in modules for b in module.buffers()))
+                start = time.time()
                 grads = replicas.end_step(params, grads, sum(self.plan.rows), buffers)
+                for srv in self.servers.values():  # one span per stage row of the timeline
+                    srv.stage.recorder.add("allreduce", self.plan.step, -1, start, time.time())
             kept = [(p, g) for p, g in zip(params, grads) if g is not None]
             gradients.install(self.plan.context_id, [p for p, _ in kept], [g for _, g in kept])
 

@@ -12,8 +12,8 @@ from .trace import KINDS, Event
 __all__ = ["COLORS", "TimelinePlot", "chrome_trace", "events_from_chrome_trace", "plot_timeline", "write_timeline"]
 
 #: Box colour of each kind of work (also the legend).
-COLORS = {"forward": "#4c72b0", "recompute": "#dd8452", "backward": "#55a868"}
-_LETTER = {"forward": "F", "recompute": "R", "backward": "B"}
+COLORS = {"forward": "#4c72b0", "recompute": "#dd8452", "backward": "#55a868", "allreduce": "#8172b3"}
+_LETTER = {"forward": "F", "recompute": "R", "backward": "B", "allreduce": "A"}
 _TID = {kind: k for k, kind in enumerate(KINDS)}  # one track per kind: recompute nests inside backward
 
 
@@ -31,7 +31,8 @@ class TimelinePlot:
 
 
 def _name(event: Event) -> str:
-    return f"{_LETTER.get(event.kind, event.kind[:1].upper())}{event.microbatch}"
+    letter = _LETTER.get(event.kind, event.kind[:1].upper())
+    return letter if event.microbatch < 0 else f"{letter}{event.microbatch}"  # (a step's, not a micro-batch's)
 
 
 def _checked(events: Iterable[Event]) -> list[Event]:
@@ -125,7 +126,7 @@ def plot_timeline(events: Iterable[Event], path: str | Path, *, width: float = 1
     labels = []
     for row, (stage, worker) in enumerate(stages.items()):
         mine = [e for e in evs if e.stage == stage]
-        busy = _busy_fraction([(e.start, e.end) for e in mine if e.kind != "recompute"], t1 - t0)
+        busy = _busy_fraction([(e.start, e.end) for e in mine if e.kind in ("forward", "backward")], t1 - t0)
         labels.append(f"stage {stage} ({worker})\nbusy {busy:.0%}")
         ax.axhspan(row - 0.45, row + 0.45, color="#f0f0f0", zorder=0)
         _draw_row(ax, row, mine, t0, span_ms)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 __all__ = ["Event", "format_events"]
 
-#: Kinds of work a stage records.
-KINDS = ("forward", "recompute", "backward")
+#: Kinds of work a stage records. "allreduce": averaging its gradients with the other replicas (data
+#: parallel) at the end of a ``train_step``, once per worker and step, micro-batch -1.
+KINDS = ("forward", "recompute", "backward", "allreduce")
 
 
 @dataclass(frozen=True, slots=True)
