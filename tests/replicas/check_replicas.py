@@ -10,6 +10,7 @@ Modes:
 - ``mismatch``: replica 1 builds another model: both drivers get a ValueError at once.
 - ``extra-step``: replica 0 runs one step more than replica 1: its step fails after the collective timeout.
 - ``kill-worker``: replica 0's last stage worker dies in a step: every driver gets an error naming it.
+- ``kill-driver``: replica 1's driver dies between steps: replica 0's next step fails naming what is gone.
 """
 from __future__ import annotations
 
@@ -85,14 +86,16 @@ def train(stage_workers: workers.StageWorkers) -> None:
     r, n = stage_workers.replica, stage_workers.replicas
     rows = [4] * n
     for schedule, checkpoint, optimizer in [("GPipe", "never", "sgd"), ("1F1B", "always", "sgd"),
-                                            ("1F1B", "never", "adam"), ("GPipe", "always", "adam")]:
+                                            ("1F1B", "never", "adam"), ("GPipe", "always", "adam"),
+                                            ("Interleaved1F1B", "never", "sgd")]:
         model = mlp()
         plain = copy.deepcopy(model)
         cls, kwargs = OPTIMIZERS[optimizer]
         plain_opt = cls(plain.parameters(), **kwargs)
         steps = batches(3, rows) + batches(1, [4] * (n - 1) + [2], seed=2)  # the last replica's last share: 2 rows
-        with Pipe(model, chunks=2, checkpoint=checkpoint, balance=[3, 2], workers=stage_workers,
-                  schedule=schedule) as pipe:
+        interleaved = schedule == "Interleaved1F1B"  # 4 stages on the 2 workers, averaged once per worker
+        with Pipe(model, chunks=2, checkpoint=checkpoint, balance=[2, 1, 1, 1] if interleaved else [3, 2],
+                  workers=stage_workers, schedule=schedule, stages_per_worker=2 if interleaved else 1) as pipe:
             opt = DistributedOptimizer(cls, pipe.parameter_rrefs(), **kwargs)
             for shares in steps:
                 x, y = shares[r]
@@ -223,9 +226,26 @@ def kill_worker(stage_workers: workers.StageWorkers) -> None:
     raise AssertionError("the steps went on without a worker")
 
 
+def kill_driver(stage_workers: workers.StageWorkers) -> None:
+    r = stage_workers.replica
+    with Pipe(mlp(), chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        for k, shares in enumerate(batches(3, [4] * stage_workers.replicas)):
+            if k == 1 and r == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            start = time.monotonic()
+            try:
+                with dist_autograd.context() as ctx:
+                    pipe.train_step(ctx, *shares[r], F.cross_entropy)
+            except StageError as exc:
+                print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+                return
+    raise AssertionError("the steps went on without replica 1")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["train", "mismatch", "extra-step", "kill-worker"], default="train")
+    p.add_argument("--mode", choices=["train", "mismatch", "extra-step", "kill-worker", "kill-driver"],
+                   default="train")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--layout", default="replica")
     p.add_argument("--interface")
@@ -233,8 +253,9 @@ def main() -> None:
     args = p.parse_args()
     with workers.torchrun_group(replicas=args.replicas, layout=args.layout, interface=args.interface, threads=1,
                                 rpc_timeout=60, collective_timeout=args.collective_timeout) as stage_workers:
-        {"train": train, "mismatch": mismatch, "extra-step": extra_step, "kill-worker": kill_worker}[args.mode](
-            stage_workers)
+        modes = {"train": train, "mismatch": mismatch, "extra-step": extra_step, "kill-worker": kill_worker,
+                 "kill-driver": kill_driver}
+        modes[args.mode](stage_workers)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,13 @@ def no_process_left() -> None:
 
 @pytest.mark.timeout(180)
 def test_replicas_train_as_plain_pytorch_on_the_whole_batch():
-    """GPipe and 1F1B, checkpointing on and off, momentum SGD and Adam, a smaller last share on one
-    replica, pipe.backward with clipping, GradScaler, deferred BatchNorm and resuming: every driver
-    matches plain PyTorch on both replicas' samples (or, for the buffers, replica 0's)."""
+    """GPipe, 1F1B and Interleaved1F1B, checkpointing on and off, momentum SGD and Adam, a smaller last
+    share on one replica, pipe.backward with clipping, GradScaler, deferred BatchNorm and resuming: every
+    driver matches plain PyTorch on both replicas' samples (or, for the buffers, replica 0's)."""
     proc, _ = torchrun(SCRIPT, "--mode", "train", timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ok = lines(proc, "OK ")
-    assert len(ok) == 14, "\n".join(ok) + proc.stderr[-3000:]
+    assert len(ok) == 16, "\n".join(ok) + proc.stderr[-3000:]
     assert {line.split(":")[0] for line in ok} == {"OK replica 0", "OK replica 1"}
     no_process_left()
 
@@ -100,5 +100,18 @@ def test_a_dead_stage_worker_fails_every_replica_naming_it():
     record_surfacing("replica's stage worker killed", "its driver's WorkerError", seconds)
     other = lines(proc, "FAILED replica 1")  # may be missing: torchrun can stop the job before it prints
     assert all("'worker2'" in line for line in other), other
+    assert wall < 60, wall
+    no_process_left()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_driver_fails_the_other_replicas_and_the_job_ends():
+    """Replica 1's driver is SIGKILLed between steps: torchrun stops the job; replica 0, if it gets that
+    far first, fails its next step naming what is gone; no process is left, in bounded time."""
+    proc, wall = torchrun(SCRIPT, "--mode", "kill-driver", timeout=110)
+    assert proc.returncode != 0
+    failed = lines(proc, "FAILED replica 0")
+    assert all("gone or do not answer" in line or "WorkerError" in line for line in failed), failed
+    assert not lines(proc, "FAILED replica 1")
     assert wall < 60, wall
     no_process_left()
