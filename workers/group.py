@@ -264,9 +264,8 @@ def torchrun_group(
         num_worker_threads = DRIVER_RPC_THREADS if group.place_of(group.rank)[1] < 0 else STAGE_RPC_THREADS
     options = backend_options(num_worker_threads=num_worker_threads, transports=transports, channels=channels,
                               devices=own_devices, device_maps=maps, rpc_timeout=max(rpc_timeout, startup_timeout))
-    cuda = devices is not None or any(d.startswith("cuda") for m in maps.values() for d in m)
     join = None if group.replicas == 1 else (
-        lambda: _join_replicas(group, "cpu:gloo,cuda:nccl" if cuda else "gloo", collective_timeout or rpc_timeout))
+        lambda: _join_replicas(group, _collective_backend(group, devices), collective_timeout or rpc_timeout))
     if group.name != group.driver:
         serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=group.driver,
               threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout, after_join=join)
@@ -281,6 +280,14 @@ def torchrun_group(
         stop_workers(group.stage_workers)
         if group.replicas > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _collective_backend(group: GroupEnv, devices: str | Sequence[str] | None) -> str:
+    """NCCL for CUDA gradients where every process of a node can have a GPU of its own (NCCL refuses two
+    ranks on one GPU: one GPU shared by every stage worker, as on a one-GPU test machine); else gloo,
+    which all-reduces CUDA tensors too, through the host."""
+    own_gpus = group.gpus_per_node is not None and group.gpus_per_node >= group.local_world_size
+    return "cpu:gloo,cuda:nccl" if devices is not None and own_gpus else "gloo"
 
 
 def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
