@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint", default="never", help="always, except_last or never (default: never)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="SGD with momentum, or Adam")
     p.add_argument("--interface", help="network interface (or this host's address on it) the job uses")
+    p.add_argument("--cuda", action="store_true", help="each stage worker on cuda:LOCAL_RANK (modulo the node's "
+                   "GPUs: on one GPU every stage of every replica shares cuda:0)")
     p.add_argument("--rpc-timeout", type=float, default=60, help="seconds an RPC or collective may take")
     return p.parse_args()
 
@@ -89,9 +91,13 @@ def optimizer_for(args: argparse.Namespace) -> tuple[type[torch.optim.Optimizer]
 def main() -> None:
     args = parse_args()
     with workers.torchrun_group(replicas=args.replicas, layout=args.layout, interface=args.interface,
-                                rpc_timeout=args.rpc_timeout, threads=1) as stage_workers:
+                                rpc_timeout=args.rpc_timeout, threads=1,
+                                devices="cuda" if args.cuda else None) as stage_workers:
         # Only the drivers get here: replica `stage_workers.replica` of `stage_workers.replicas`.
         replica, replicas = stage_workers.replica, stage_workers.replicas
+        group = workers.GroupEnv.from_environ(replicas=replicas, layout=args.layout)  # devices="cuda"'s rule
+        devices = [group.cuda_device(group.rank_of(replica, k)) for k in range(len(stage_workers))] if args.cuda \
+            else None
         model, balance = make_model(len(stage_workers))
         plain = copy.deepcopy(model)
         share = args.batch_size // replicas
@@ -100,7 +106,7 @@ def main() -> None:
         optim_class, optim_args = optimizer_for(args)
         plain_opt = optim_class(plain.parameters(), **optim_args)
         with Pipe(model, chunks=args.chunks, checkpoint=args.checkpoint, balance=balance, workers=stage_workers,
-                  schedule=args.schedule) as pipe:
+                  schedule=args.schedule, devices=devices) as pipe:
             if replica == 0:
                 print(f"{replicas} replicas of {len(stage_workers)} stages; replica 0's:", *pipe.stages, sep="\n  ")
             opt = DistributedOptimizer(optim_class, pipe.parameter_rrefs(), **optim_args)

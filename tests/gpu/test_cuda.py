@@ -120,3 +120,22 @@ def test_torchrun_job_with_gpu_stage_workers():
         out, err = proc.communicate()
         pytest.fail(f"the torchrun job did not finish in 150 s:\n{out}\n{err}")
     assert proc.returncode == 0 and "driver ok" in out, out + err
+
+
+def test_data_parallel_replicas_on_gpu_stages():
+    """``examples/data_parallel.py --cuda``: 2 replicas of 2 GPU stages (6 processes; on one GPU every
+    stage shares it, and the replicas average their CUDA gradients over gloo), equal to plain PyTorch."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
+                             "examples/data_parallel.py", "--replicas", "2", "--steps", "3", "--cuda"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun job did not finish in 150 s:\n{out}\n{err}")
+    assert proc.returncode == 0, out + err
+    drifts = [float(line.rsplit(": ", 1)[1]) for line in out.splitlines() if "max parameter difference" in line]
+    assert len(drifts) == 2 and max(drifts) < 1e-4, out
+    assert "on cuda:" in out, out
