@@ -79,6 +79,22 @@ def keep_unreached(context_id: int, phony: Tensor) -> None:
         _entry(context_id).unreached.append(phony)
 
 
+def check_train_step(context_id: int, pipe_id: str) -> None:
+    """Refuse a ``train_step`` in a context where a forward with gradients ran (or a backward): its
+    sends are in the workers' contexts, and the step's gradients are installed there by a backward
+    that would wait for them until the RPC timeout, and hold a worker thread for good."""
+    with _lock:
+        entry = _contexts.get(context_id)
+        if entry is None:
+            return
+        who = next(iter(entry.forwards), None) or next(iter(entry.failed), None) or entry.backward_by
+        if who is not None:
+            raise RuntimeError(f"{_whose(who, pipe_id)} ran a forward with gradients in autograd context "
+                               f"{context_id}: train_step needs a context of its own (it runs forward, loss and "
+                               "backward itself). Start a new dist_autograd.context() for it, and run forwards "
+                               "you only look at under torch.no_grad()")
+
+
 def trained(context_id: int, pipe_id: str) -> None:
     """``pipe_id`` ran ``train_step`` in the context: its forward, loss and backward are done, and its
     messages left sends in the context that no backward here can reach."""

@@ -350,11 +350,12 @@ class RemoteDriver:
         """One training step under the pipe's schedule, the loss on the last stage (``Pipe.train_step``);
         the mini-batch loss, detached."""
         self._check_open()
+        rows = split_target(value, target, self.chunks)  # (checks their types first)
         for t in (*microbatch.as_tensors(value), *microbatch.as_tensors(target)):
-            if isinstance(t, Tensor) and t.device.type != "cpu":
+            if t.device.type != "cpu":
                 raise ValueError(f"train_step got a tensor on {t.device}; stage workers receive the input and the "
                                  "target from this process's CPU memory: pass CPU tensors (the stages move them)")
-        rows = split_target(value, target, self.chunks)
+        contexts.check_train_step(context_id, self.pipe_id)
         n = len(self.infos)
         try:
             check_schedule(self.schedule, n, len(rows), self.stages_per_worker)

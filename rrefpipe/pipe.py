@@ -366,6 +366,9 @@ class Pipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step under torch.no_grad(): a training step needs gradients; for evaluation "
                                "call pipe(x) under torch.no_grad()")
+        if scaler is not None and not (callable(getattr(scaler, "is_enabled", None))
+                                       and callable(getattr(scaler, "get_scale", None))):
+            raise TypeError(f"scaler must be an rrefpipe.GradScaler, got {type(scaler).__name__}")
         scale = 1.0 if scaler is None or not scaler.is_enabled() else float(scaler.get_scale())
         if placement.abandoned:
             placement.release(placement.close_abandoned())

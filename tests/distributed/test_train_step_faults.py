@@ -282,10 +282,6 @@ def _closes_over_a_lock():
     return lambda output, target: (lock, F.mse_loss(output, target))[1]
 
 
-_NOT_ITERABLE = ("library bug: RemoteDriver.train_step runs microbatch.as_tensors on the input and target (its CPU "
-                 "check) before split_target checks their type, so None or an int fails with \"'NoneType' object "
-                 "is not iterable\" instead of the message naming what to pass")
-
 DRIVER_REFUSALS = [
     ("target rows differ", lambda x, y: (x, y[:6], F.mse_loss), ValueError,
      ["the target has 6 rows and the input 8", "must share their batch size (dim 0)"]),
@@ -304,14 +300,11 @@ DRIVER_REFUSALS = [
     ("input a list", lambda x, y: (x.tolist(), y, F.mse_loss), TypeError, ["must be a Tensor or a tuple of Tensors"]),
     ("input of 0 rows", lambda x, y: (x[:0], y[:0], F.mse_loss), ValueError, ["Pipe input has batch size 0"]),
     pytest.param("target None", lambda x, y: (x, None, F.mse_loss), TypeError,
-                 ["train_step target must be a Tensor or a tuple of Tensors, got NoneType"],
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NOT_ITERABLE), id="target None"),
+                 ["train_step target must be a Tensor or a tuple of Tensors, got NoneType"], id="target None"),
     pytest.param("target an int", lambda x, y: (x, 3, F.mse_loss), TypeError,
-                 ["train_step target must be a Tensor or a tuple of Tensors, got int"],
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NOT_ITERABLE), id="target an int"),
+                 ["train_step target must be a Tensor or a tuple of Tensors, got int"], id="target an int"),
     pytest.param("input None", lambda x, y: (None, y, F.mse_loss), TypeError,
-                 ["must be a Tensor or a tuple of Tensors, got NoneType"],
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NOT_ITERABLE), id="input None"),
+                 ["must be a Tensor or a tuple of Tensors, got NoneType"], id="input None"),
     ("loss_fn not callable", lambda x, y: (x, y, "mse"), TypeError,
      ["loss_fn must be callable as loss_fn(output, target)", "got str"]),
     ("loss_fn None", lambda x, y: (x, y, None), TypeError, ["loss_fn must be callable", "got NoneType"]),
@@ -540,12 +533,6 @@ with LocalWorkers(3, threads=1) as group:
 """
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: train_step in a dist_autograd context where a pipe(x) forward already ran (with or without its "
-    "pipe.backward) is not refused: each worker's gradient install (dist_autograd.backward in the context) also "
-    "waits for the sends that forward recorded, so the step waits out the RPC timeout, reports a WorkerError "
-    "blaming stage 0's worker (\"RPC ran for more than set timeout\"), and leaves a thread on each worker stuck "
-    "in that backward for good"))
 def test_train_step_in_a_context_where_a_forward_ran_is_refused_at_once():
     """A user who logs pipe(x) in the step's context, or runs pipe.backward and then train_step there: as
     pipe.backward after train_step is refused at once (contexts.py), so should this order be. In its own
