@@ -38,7 +38,8 @@ _releasing = threading.Lock()
 
 
 class Pipe(nn.Module):
-    """Wrap an ``nn.Sequential`` for synchronous (GPipe) pipeline-parallel training over RPC workers.
+    """Wrap an ``nn.Sequential`` for synchronous pipeline-parallel training over RPC workers (GPipe, 1F1B
+    or interleaved 1F1B schedules).
 
     Each stage runs on its own RPC worker process with its partition on its device; micro-batches
     pass worker to worker. Where the stages run:

@@ -35,7 +35,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import gradients, microbatch, replicas, server
+from . import autocast, gradients, microbatch, replicas, server
 from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import checked_loss, weights
@@ -299,7 +299,8 @@ class _StepRun:
     def _loss(self, i: int, output: TensorOrTensors) -> Tensor:
         assert self.loss_fn is not None
         try:
-            loss = checked_loss(self.loss_fn(output, self.targets[i]))
+            with autocast.entered(self.plan.autocast):  # as the caller's loss would be, beside the forward
+                loss = checked_loss(self.loss_fn(output, self.targets[i]))
         except BaseException as exc:
             raise _LossError() from exc
         self.losses.append(loss.detach())

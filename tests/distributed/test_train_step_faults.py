@@ -265,7 +265,8 @@ def test_a_batch_too_small_for_interleaved_is_refused_at_train_step(cluster, row
             step(pipe, x, y)
         message = str(info.value)
         for piece in [f"the batch of {rows} rows splits into only {microbatches} micro-batches",
-                      "fewer than chunks=4", "chunks must be a multiple of 2"]:
+                      "(torch.chunk into chunks=4)", "in rounds of the 2 workers",
+                      "a batch of at least 4 rows, or one that splits into a multiple of 2 micro-batches"]:
             assert piece in message, (piece, message)
         check_good_step(pipe, model)
 
