@@ -7,27 +7,16 @@ they run wherever ``torch.cuda.is_available()`` (see README, Status). ``RREFPIPE
 them on the CPU instead, a dry run of the scenarios themselves (the refusal of CUDA inputs and of
 missing device maps then has nothing to refuse).
 """
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
-import torch
 
-from tests.conftest import ROOT, run_script
+from tests.gpu import runner
 from tests.gpu.scenarios import GPU
 
-DRY_RUN = GPU == "cpu"
-pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or DRY_RUN), reason="needs a CUDA GPU"),
-              pytest.mark.timeout(240)]
+pytestmark = runner.MARKS
 
 
 def scenario(call: str) -> None:
-    try:
-        run_script(f"from tests.gpu import scenarios\nscenarios.{call}\nprint('ok')", timeout=150)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{call} did not finish in {exc.timeout} s:\n{exc.stdout!r}\n{exc.stderr!r}")
+    runner.scenario("tests.gpu.scenarios", call)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -110,32 +99,16 @@ def test_stage_memory_is_steady():
 
 def test_torchrun_job_with_gpu_stage_workers():
     """``torchrun`` on one host, stage workers' device maps from ``torchrun_group(devices=...)``."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                             "-m", "tests.gpu.scenarios"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)  # a session of its own: a timeout ends every rank
-    try:
-        out, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the torchrun job did not finish in 150 s:\n{out}\n{err}")
-    assert proc.returncode == 0 and "driver ok" in out, out + err
+    code, out, err = runner.torchrun_job(4, "-m", "tests.gpu.scenarios")
+    assert code == 0 and "driver ok" in out, out + err
 
 
+@pytest.mark.skipif(runner.DRY_RUN, reason="the example's --cuda asks for a real GPU (no dry run on the CPU)")
 def test_data_parallel_replicas_on_gpu_stages():
     """``examples/data_parallel.py --cuda``: 2 replicas of 2 GPU stages (6 processes; on one GPU every
     stage shares it, and the replicas average their CUDA gradients over gloo), equal to plain PyTorch."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
-                             "examples/data_parallel.py", "--replicas", "2", "--steps", "3", "--cuda"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the torchrun job did not finish in 150 s:\n{out}\n{err}")
-    assert proc.returncode == 0, out + err
+    code, out, err = runner.torchrun_job(6, "examples/data_parallel.py", "--replicas", "2", "--steps", "3", "--cuda")
+    assert code == 0, out + err
     drifts = [float(line.rsplit(": ", 1)[1]) for line in out.splitlines() if "max parameter difference" in line]
     assert len(drifts) == 2 and max(drifts) < 1e-4, out
     assert "on cuda:" in out, out

@@ -8,7 +8,6 @@ tests are skipped, and ``RREFPIPE_TEST_GPU=cpu`` dry-runs them on the CPU.
 from __future__ import annotations
 
 import copy
-import subprocess
 from typing import Any, Callable
 
 import pytest
@@ -19,11 +18,10 @@ from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
 
 from tests.conftest import run_script
+from tests.gpu import runner
 from tests.gpu.scenarios import GPU, TOLERANCE
 
-DRY_RUN = GPU == "cpu"
-pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or DRY_RUN), reason="needs a CUDA GPU"),
-              pytest.mark.timeout(240)]
+pytestmark = runner.MARKS
 
 #: schedule -> (stages, stages per worker): 1F1B on 2 workers, Interleaved1F1B on 4 stages, 2 per worker
 LAYOUT = {"1F1B": (2, 1), "Interleaved1F1B": (4, 2)}
@@ -34,10 +32,7 @@ TRAINED_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
 def scenario(call: str) -> None:
-    try:
-        run_script(f"from tests.gpu import test_gpu_train_step as s\ns.{call}\nprint('ok')", timeout=150)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{call} did not finish in {exc.timeout} s:\n{exc.stdout!r}\n{exc.stderr!r}")
+    runner.scenario("tests.gpu.test_gpu_train_step", call)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
