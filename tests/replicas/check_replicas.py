@@ -19,6 +19,7 @@ import copy
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -181,19 +182,29 @@ def mismatch(stage_workers: workers.StageWorkers) -> None:
     raise AssertionError("a pipe unlike the other replica's was built")
 
 
-def extra_step(stage_workers: workers.StageWorkers) -> None:
+def run_until_failure(stage_workers: workers.StageWorkers, model: nn.Sequential, balance: list[int], steps: int,
+                      before_step: Callable[[int], None] = lambda k: None) -> bool:
+    """Train ``steps`` steps of this replica's shares (``before_step(k)`` first); print how the first failing
+    one failed and when, and return False, or True when all ran."""
     r = stage_workers.replica
-    with Pipe(mlp(), chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
-        steps = batches(2 if r == 0 else 1, [4] * stage_workers.replicas)
-        start = time.monotonic()
-        try:
-            for shares in steps:
+    start = time.monotonic()
+    try:
+        with Pipe(model, chunks=2, balance=balance, workers=stage_workers, schedule="1F1B") as pipe:
+            for k, shares in enumerate(batches(steps, [4] * stage_workers.replicas)):
+                before_step(k)
+                start = time.monotonic()
                 with dist_autograd.context() as ctx:
                     pipe.train_step(ctx, *shares[r], F.cross_entropy)
-        except StageError as exc:
-            print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
-            return
-    print(f"DONE replica {r}", flush=True)
+    except StageError as exc:
+        print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        return False
+    return True
+
+
+def extra_step(stage_workers: workers.StageWorkers) -> None:
+    r = stage_workers.replica
+    if run_until_failure(stage_workers, mlp(), [3, 2], steps=2 if r == 0 else 1):
+        print(f"DONE replica {r}", flush=True)
 
 
 class DieOnStep(nn.Module):
@@ -211,35 +222,17 @@ class DieOnStep(nn.Module):
 
 
 def kill_worker(stage_workers: workers.StageWorkers) -> None:
-    r = stage_workers.replica
-    model = nn.Sequential(*mlp(), DieOnStep(step=5, replica=r))  # micro-batch 0 of step 2 (2 per step)
-    start = time.monotonic()
-    try:
-        with Pipe(model, chunks=2, balance=[3, 3], workers=stage_workers, schedule="1F1B") as pipe:
-            for shares in batches(4, [4] * stage_workers.replicas):
-                start = time.monotonic()
-                with dist_autograd.context() as ctx:
-                    pipe.train_step(ctx, *shares[r], F.cross_entropy)
-    except StageError as exc:
-        print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
-        return
-    raise AssertionError("the steps went on without a worker")
+    model = nn.Sequential(*mlp(), DieOnStep(step=5, replica=stage_workers.replica))  # step 2's micro-batch 0
+    assert not run_until_failure(stage_workers, model, [3, 3], steps=4), "the steps went on without a worker"
 
 
 def kill_driver(stage_workers: workers.StageWorkers) -> None:
-    r = stage_workers.replica
-    with Pipe(mlp(), chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
-        for k, shares in enumerate(batches(3, [4] * stage_workers.replicas)):
-            if k == 1 and r == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            start = time.monotonic()
-            try:
-                with dist_autograd.context() as ctx:
-                    pipe.train_step(ctx, *shares[r], F.cross_entropy)
-            except StageError as exc:
-                print(f"FAILED replica {r} after {time.monotonic() - start:.1f}s: {exc}", flush=True)
-                return
-    raise AssertionError("the steps went on without replica 1")
+    def die(k: int) -> None:
+        if k == 1 and stage_workers.replica == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    assert not run_until_failure(stage_workers, mlp(), [3, 2], steps=3, before_step=die), \
+        "the steps went on without replica 1"
 
 
 def main() -> None:
