@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from rrefpipe import Pipe, StageError, WorkerError
 from tests.conftest import record_surfacing, run_script
 from tests.distributed.probes import all_counts, stage_gradients
+from tests.layers import RaiseInBackward
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,19 +34,6 @@ TARGET_FAIL = 5e8  # a target row of this value makes loss_raising raise
 
 
 # -- layers and losses (imported by the workers) -----------------------------------------------------
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fail):  # type: ignore[no-untyped-def]
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        if ctx.fail:
-            raise ValueError("backward of a marked micro-batch")
-        return grad, None
-
-
 class FailsOn(nn.Module):
     """Identity; raises ValueError in forward on a micro-batch holding FORWARD_FAIL, in backward on one
     holding BACKWARD_FAIL."""
@@ -53,7 +41,9 @@ class FailsOn(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if bool((x == FORWARD_FAIL).any()):
             raise ValueError(f"forward of a marked micro-batch of {x.size(0)} rows")
-        return _FailsInBackward.apply(x, bool((x == BACKWARD_FAIL).any()))
+        if bool((x == BACKWARD_FAIL).any()):
+            return RaiseInBackward("backward of a marked micro-batch")(x)
+        return x.clone()
 
 
 def _hold(folder: str, phase: str) -> None:
@@ -392,33 +382,21 @@ def test_loss_fn_that_does_not_unpickle_on_the_worker(failing, cluster):
 
 
 # -- a layer failing --------------------------------------------------------------------------------
-def test_a_middle_stage_raising_in_forward_under_1f1b(failing, cluster):
-    """Stage 1 runs F0 F1 B0 F2 under 1F1B (n=3, m=4): micro-batch 2's forward fails after a backward."""
+@pytest.mark.parametrize("mark, phase, message", [
+    (FORWARD_FAIL, "forward", "forward of a marked micro-batch of 2 rows"),
+    (BACKWARD_FAIL, "backward", "backward of a marked micro-batch")])
+def test_a_middle_stage_raising_under_1f1b(failing, cluster, mark, phase, message):
+    """Stage 1 runs F0 F1 B0 F2 ... under 1F1B (n=3, m=4): micro-batch 2 fails after a backward ran."""
     pipe, model = failing
     x, y = batch()
     t = time.monotonic()
     with pytest.raises(ValueError) as info:
-        step(pipe, marked(x, FORWARD_FAIL, 2), y)
-    record_surfacing("train_step: layer raised in forward", "StageError", time.monotonic() - t)
+        step(pipe, marked(x, mark, 2), y)
+    record_surfacing(f"train_step: layer raised in {phase}", "StageError", time.monotonic() - t)
     exc = info.value
     assert isinstance(exc, StageError) and not isinstance(exc, WorkerError)
-    assert (exc.stage, exc.worker, exc.microbatch, exc.phase) == (1, cluster.names[1], 2, "forward")
-    assert "forward of a marked micro-batch of 2 rows" in exc.error_message
-    assert "FailsOn" in exc.remote_traceback or "forward of a marked" in exc.remote_traceback
-    check_good_step(pipe, model)
-
-
-def test_a_middle_stage_raising_in_backward_under_1f1b(failing, cluster):
-    pipe, model = failing
-    x, y = batch()
-    t = time.monotonic()
-    with pytest.raises(ValueError) as info:
-        step(pipe, marked(x, BACKWARD_FAIL, 2), y)
-    record_surfacing("train_step: layer raised in backward", "StageError", time.monotonic() - t)
-    exc = info.value
-    assert isinstance(exc, StageError) and not isinstance(exc, WorkerError)
-    assert (exc.stage, exc.worker, exc.microbatch, exc.phase) == (1, cluster.names[1], 2, "backward")
-    assert exc.error_message == "backward of a marked micro-batch"
+    assert (exc.stage, exc.worker, exc.microbatch, exc.phase) == (1, cluster.names[1], 2, phase)
+    assert exc.error_message == message
     check_good_step(pipe, model)
 
 
