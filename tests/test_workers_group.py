@@ -243,3 +243,17 @@ def test_device_maps_stay_within_a_replica():
     assert own == ["cuda:0"] and maps == {"worker5": {"cuda:0": "cuda:1"}}  # not worker1/worker2 of replica 0
     with pytest.raises(ValueError, match="devices has 3 entries for 2 stage workers per replica"):
         stage_devices(g, ["cuda:0", "cuda:1", "cuda:2"])
+
+
+def test_nccl_only_where_each_stage_worker_of_a_node_has_its_own_gpu():
+    from workers.group import _collective_backend
+
+    def node(rank: int, world: int, per_node: int, gpus: int, replicas: int) -> GroupEnv:
+        return dataclasses.replace(group(rank, world_size=world, local_world_size=per_node), gpus_per_node=gpus,
+                                   replicas=replicas)
+
+    assert _collective_backend(node(1, 9, 9, 8, 1), "cuda") == "cpu:gloo,cuda:nccl"  # 8 stages, 8 GPUs, 1 driver
+    assert _collective_backend(node(1, 6, 6, 1, 2), "cuda") == "gloo"  # one GPU for every stage worker
+    assert _collective_backend(node(4, 6, 3, 2, 2), "cuda") == "cpu:gloo,cuda:nccl"  # a replica per 2-GPU node
+    assert _collective_backend(node(1, 6, 6, 4, 2), ["cuda:0", "cuda:0"]) == "gloo"  # named devices shared
+    assert _collective_backend(node(1, 6, 6, 4, 2), None) == "gloo"  # CPU stages

@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -55,6 +56,16 @@ class StageWorkers(list[str]):
         super().__init__(names)
         self.replica = replica
         self.replicas = replicas
+
+    @property
+    def group(self) -> Any:
+        """The drivers' c10d process group (None with one replica): for the drivers' own collectives, such
+        as averaging the loss they log (``dist.all_reduce(loss, group=stage_workers.group)``). The job's
+        default group holds the stage workers too, which never join a driver's collective."""
+        from rrefpipe import replicas
+
+        membership = replicas.current()
+        return None if membership is None else membership.group
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,7 @@ class GroupEnv:
         return rank % self.replicas, rank // self.replicas - 1
 
     def name_of(self, rank: int) -> str:
+        """The RPC name of ``rank``: ``driver`` (replica 0's), ``driver<r>`` (replica r's), ``worker<rank>``."""
         replica, position = self.place_of(rank)
         if position >= 0:
             return f"worker{rank}"
@@ -136,10 +148,12 @@ class GroupEnv:
 
     @property
     def replica(self) -> int:
+        """The replica this rank belongs to (0-based)."""
         return self.place_of(self.rank)[0]
 
     @property
     def name(self) -> str:
+        """This rank's RPC name (see :meth:`name_of`)."""
         return self.name_of(self.rank)
 
     @property
@@ -283,11 +297,21 @@ def torchrun_group(
 
 
 def _collective_backend(group: GroupEnv, devices: str | Sequence[str] | None) -> str:
-    """NCCL for CUDA gradients where every process of a node can have a GPU of its own (NCCL refuses two
-    ranks on one GPU: one GPU shared by every stage worker, as on a one-GPU test machine); else gloo,
-    which all-reduces CUDA tensors too, through the host."""
-    own_gpus = group.gpus_per_node is not None and group.gpus_per_node >= group.local_world_size
-    return "cpu:gloo,cuda:nccl" if devices is not None and own_gpus else "gloo"
+    """NCCL for CUDA gradients where the stage workers of a node are on GPUs of their own (NCCL refuses
+    two ranks on one GPU: one GPU shared by every stage worker, as on a one-GPU test machine); else
+    gloo, which all-reduces CUDA tensors too, through the host. Drivers hold no GPU and do not count."""
+    if devices is None:
+        return "gloo"
+    node = group.rank // group.local_world_size  # ranks fill nodes in order, local_world_size each
+    ranks = range(node * group.local_world_size, min((node + 1) * group.local_world_size, group.world_size))
+    stage_ranks = [r for r in ranks if group.place_of(r)[1] >= 0]
+    if devices == "cuda":
+        if not group.gpus_per_node:
+            return "gloo"
+        gpus = [group.cuda_device(r) for r in stage_ranks]
+    else:
+        gpus = [device_name(devices[group.place_of(r)[1]]) for r in stage_ranks]
+    return "cpu:gloo,cuda:nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
 
 def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
