@@ -1,6 +1,6 @@
 """Issue #41: ``Pipe.train_step``'s schedules (GPipe, 1F1B, Interleaved1F1B) measured.
 
-``python benchmarks/bench_schedules.py`` (about 20 minutes on 2 CPU cores; ``--quick``: a smoke run under
+``python benchmarks/bench_schedules.py`` (about 30 minutes on 2 CPU cores; ``--quick``: a smoke run under
 60 s) prints tables and a targets block and writes ``benchmarks/results/schedules.json`` (``--out``). It
 reuses the benchmark suite's pieces (``bench_suite``, ``suite_pipelining``, ``suite_targets``,
 ``bench_core``): the same models, mini-batches and splits (``suite_models``), the same processes and
@@ -32,11 +32,13 @@ computes it on its last rank), then ``DistributedOptimizer.step``.
    the 2-worker bubble model of the 2-stage split (the suite's ``ideal@mb``), so it compares the
    schedules on the same work and workers and can exceed 1 for an interleaved schedule, whose own
    bubble model, ``(m v + p - 1) x`` the slowest of the 4 stages' ticks (v = 2 stages per worker,
-   p = 2 workers), is smaller; that one is reported as ``own``. The bubble the interleaved schedule saves,
-   ``gain`` = the yardstick less ``own`` (ms per step), is set beside the CPU its 2 extra boundaries cost
-   (``+cpu``: CPU ms per step of all the contestant's processes, interleaved less 1F1B): where both
-   cores are busy, a step takes about half of that extra CPU longer, so an interleaved schedule gains on
-   this machine only where ``+cpu / 2`` stays under ``gain``.
+   p = 2 workers), is smaller; that one is reported as ``own``. The bubble the interleaved schedule
+   saves, ``gain`` (ms per step: ``(m + p - 1) x`` the slowest worker's summed stage ticks less
+   ``own``, both from the 4-stage times; negative where the 4 stages are unequal, as the Transformer's
+   6 layers split), is set beside the CPU its 2 extra boundaries cost (``+cpu``: CPU ms per step of all
+   the contestant's processes, interleaved less 1F1B): where both cores are busy, a step takes about
+   half of that extra CPU longer, so an interleaved schedule gains on this machine only where
+   ``+cpu / 2`` stays under ``gain``.
 
 3. **Memory** kept for backward per stage (``rrefpipe.memory``: saved tensors counted while alive,
    one tracked step after an untracked one), ``1F1B`` against ``GPipe``, both ``checkpoint='never'``
@@ -49,8 +51,11 @@ computes it on its last rank), then ``DistributedOptimizer.step``.
 
 Statistics: a cell's ratio is one contestant's samples/s over another's (pooled medians); over cells,
 the geometric mean and the standard error of the mean log ratio (``+-``, about a relative error).
-Nothing is asserted. The load average is recorded at the start and end of the run and before each
-cell: on 2 shared cores, look at it before comparing anything.
+``cores``: the fewest and most cores the contestants of a cell kept busy (CPU time of all a contestant's
+processes per step, over the step time, first round): a cell where they differ much was disturbed by
+another process (or a schedule left a core idle). Nothing is asserted. The load average is recorded at
+the start and end of the run and before each cell: on 2 shared cores, look at it before comparing
+anything.
 """
 from __future__ import annotations
 
@@ -284,7 +289,26 @@ def run_cell(cluster: Any, groups: dict[str, Any], spec: ModelSpec, m: int, k: i
             rounds.setdefault(key, []).append(row)
             log(f"  {spec.name} m={m} {key}: " + (f"{row['samples_per_s']:.1f} samples/s" if "error" not in row
                                                   else row["error"].splitlines()[0]))
-    return {key: pooled(rows, spec.batch) for key, rows in rounds.items()}
+    out = {key: pooled(rows, spec.batch) for key, rows in rounds.items()}
+    for row in out.values():
+        row["cores"] = cores_used(row)
+    return out
+
+
+def cores_used(row: dict[str, Any]) -> float | None:
+    """Cores a contestant kept busy: the CPU ms per step of all its processes over the step's ms, both of
+    its first round's timed steps (``cpu`` is the first round's)."""
+    total = cpu_total_ms(row.get("cpu"))
+    if total is None or "error" in row:
+        return None
+    return total / (row.get("round_medians_ms") or [row["step"]["median_ms"]])[0]
+
+
+def cores(contestants: dict[str, dict[str, Any]]) -> str:
+    """The fewest and most cores the contestants of a cell kept busy: far apart, something outside took
+    a core from some of them (or a schedule left one idle)."""
+    used = [u for u in map(cores_used, contestants.values()) if u is not None]
+    return f"{min(used):.1f}-{max(used):.1f}" if used else "n/a"
 
 
 def stage_costs(spec: ModelSpec, model: nn.Sequential, balance: list[int], chunks: Sequence[int],
@@ -349,8 +373,11 @@ def interleaved_section(cluster: Any, group: PipeliningGroup | None, spec: Model
             if il and "error" not in il:
                 il["own_ideal_mb_step_ms"] = own
                 il["achieved_over_own_ideal_mb"] = il["samples_per_s"] / (spec.batch / (own / 1e3))
+        # The bubble interleaving saves, from the 4-stage times alone: GPipe's bubble model on the workers'
+        # summed stages, less the interleaved one (not ``common - own``: two measurements, their noise).
+        plain = ideal_step_ms(worker_costs(per_mb4[m], p), m, 0, True)
         row = {"chunks": m, "contestants": contestants, "ideal_mb_step_ms": common, "own_ideal_mb_step_ms": own,
-               "bubble_gain_ms": common - own, "loadavg_start": load, "loadavg_end": loadavg()}
+               "bubble_gain_ms": plain - own, "loadavg_start": load, "loadavg_end": loadavg()}
         # What the 2 extra boundaries cost: CPU per step, all processes, interleaved less 1F1B, and per
         # extra message (4 stages on 2 workers: 3 boundaries, all between workers, against 1; a message
         # each way per micro-batch and boundary: 4m more).
@@ -534,7 +561,7 @@ def print_speed(sec: dict[str, Any]) -> None:
           f"{sec['loadavg_start']} -> {sec['loadavg_end']}")
     print(f"  {'m':>3} | {'pp1F1B':>6} {'A/A pp':>6} | {'1F1B':>6} {'GPipe':>6} {'GP-alw':>6} {'pipe()':>6} "
           f"{'i@mb':>6} | {'1F1B/pp':>7} {'A/A':>5} | {'1F1B/GP':>7} {'1F1B/alw':>8} {'work':>5} {'GP/pipe':>7} | "
-          f"{'ach/i@mb: 1F1B':>14} {'pp':>5} {'GP':>5} {'alw':>5} | {'load':>4}")
+          f"{'ach/i@mb: 1F1B':>14} {'pp':>5} {'GP':>5} {'alw':>5} | {'cores':>7} {'load':>4}")
     for r in sec["rows"]:
         c = r["contestants"]
         pp, ctrl, one, gp, alw, pipe = (sps(c.get(k)) for k in ("pp_1f1b", CONTROL, "1f1b", "gpipe", "gpipe_always",
@@ -544,7 +571,7 @@ def print_speed(sec: dict[str, Any]) -> None:
               f"{_ratio(one, pp):>7} {_ratio(ctrl, pp):>5} | {_ratio(one, gp):>7} {_ratio(one, alw):>8} "
               f"{_f(work_ratio(sec, r['chunks']), '.2f'):>5} {_ratio(gp, pipe):>7} | {_ach(c.get('1f1b')):>14} "
               f"{_ach(c.get('pp_1f1b')):>5} "
-              f"{_ach(c.get('gpipe')):>5} {_ach(c.get('gpipe_always')):>5} | "
+              f"{_ach(c.get('gpipe')):>5} {_ach(c.get('gpipe_always')):>5} | {cores(c):>7} "
               f"{_f((r.get('loadavg_start') or [None])[0], '.1f'):>4}")
 
 
@@ -557,7 +584,7 @@ def print_interleaved(secs: list[dict[str, Any]]) -> None:
           "saves; +cpu = interleaved's CPU ms per step (all processes) over its 1F1B's")
     print(f"  {'model':<12} {'m':>3} | {'1F1B':>6} {'IL':>6} {'pp1F1B':>6} {'ppIL':>6} {'i@mb':>6} | "
           f"{'IL/1F1B':>7} {'ppIL/pp':>7} {'IL/ppIL':>7} | {'ach: 1F1B':>9} {'IL':>5} {'pp1F1B':>6} {'ppIL':>5} | "
-          f"{'own: IL':>7} {'ppIL':>5} | {'gain':>5} {'+cpu IL':>7} {'ppIL':>5} | {'load':>4}")
+          f"{'own: IL':>7} {'ppIL':>5} | {'gain':>5} {'+cpu IL':>7} {'ppIL':>5} | {'cores':>7} {'load':>4}")
     for sec in secs:
         for r in sec["rows"]:
             c = r["contestants"]
@@ -568,7 +595,7 @@ def print_interleaved(secs: list[dict[str, Any]]) -> None:
                   f"{_ach(c.get('pp_1f1b')):>6} {_ach(c.get('pp_il')):>5} | "
                   f"{_ach(c.get('il'), 'achieved_over_own_ideal_mb'):>7} "
                   f"{_ach(c.get('pp_il'), 'achieved_over_own_ideal_mb'):>5} | {_f(r.get('bubble_gain_ms')):>5} "
-                  f"{_f(r.get('il_extra_cpu_ms')):>7} {_f(r.get('pp_il_extra_cpu_ms')):>5} | "
+                  f"{_f(r.get('il_extra_cpu_ms')):>7} {_f(r.get('pp_il_extra_cpu_ms')):>5} | {cores(c):>7} "
                   f"{_f((r.get('loadavg_start') or [None])[0], '.1f'):>4}")
 
 
@@ -605,7 +632,8 @@ def report(result: dict[str, Any], out: Path) -> None:
               "pipe() = rrefpipe pipe(x) + pipe.backward ('never', the suite's path; GP/pipe: train_step GPipe over "
               "it); "
               "work = all stages' fwd+bwd+recomputed fwd over fwd+bwd (suite_targets.work_ratio); i@mb = the "
-              "bubble model at the micro-batch size; load = 1-min load average before the row")
+              "bubble model at the micro-batch size; cores = fewest-most cores the cell's contestants kept busy (far "
+              "apart: disturbed); load = 1-min load average before the row")
     print_interleaved(result["interleaved"])
     print_memory(result["memory"])
     print("\ntargets (issue #41), from this run:")
