@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -99,3 +100,10 @@ def run_script(code: str, timeout: float = 90, check: bool = True) -> subprocess
     if check and proc.returncode != 0:
         pytest.fail(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def parameter_drifts(output: str) -> list[float]:
+    """The ``max parameter difference from plain PyTorch: <x>`` values that the drivers of a torchrun job
+    printed (examples/data_parallel.py). Ranks share the job's stdout, so one rank's line may run into
+    another's: read the numbers, not the lines."""
+    return [float(x) for x in re.findall(r"max parameter difference from plain PyTorch: (\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)", output)]

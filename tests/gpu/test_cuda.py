@@ -9,6 +9,7 @@ missing device maps then has nothing to refuse).
 """
 import pytest
 
+from tests.conftest import parameter_drifts
 from tests.gpu import runner
 from tests.gpu.scenarios import GPU
 
@@ -109,6 +110,6 @@ def test_data_parallel_replicas_on_gpu_stages():
     stage shares it, and the replicas average their CUDA gradients over gloo), equal to plain PyTorch."""
     code, out, err = runner.torchrun_job(6, "examples/data_parallel.py", "--replicas", "2", "--steps", "3", "--cuda")
     assert code == 0, out + err
-    drifts = [float(line.rsplit(": ", 1)[1]) for line in out.splitlines() if "max parameter difference" in line]
+    drifts = parameter_drifts(out)
     assert len(drifts) == 2 and max(drifts) < 1e-4, out
     assert "on cuda:" in out, out

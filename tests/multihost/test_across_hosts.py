@@ -13,6 +13,7 @@ import pytest
 
 from tests.multihost.conftest import (CHECK_SCRIPT, assert_at_least, result_of, run_entry_point_pipeline, torchrun_cmd,
                                       traffic, wait_all)
+from tests.conftest import parameter_drifts
 from tests.multihost.netlab import IFNAME
 
 STEPS = 2
@@ -111,7 +112,7 @@ def test_data_parallel_replicas_spread_over_two_hosts(make_lab):
     codes = wait_all(lab, procs, timeout=130)
     assert codes == [0, 0], f"torchrun exit statuses {codes}:\n{lab.outputs()}"
     out = lab.output("node0")
-    drifts = [float(x.rsplit(": ", 1)[1]) for x in out.splitlines() if "max parameter difference from plain" in x]
+    drifts = parameter_drifts(out)
     assert len(drifts) == 2 and max(drifts) < 1e-5, out
     assert "stage 0: worker 'worker2'" in out and "stage 1: worker 'worker4'" in out, out  # replica 0: hosts 0, 1
     assert "max parameter difference" not in lab.output("node1")  # no driver there

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, record_surfacing
+from tests.conftest import ROOT, parameter_drifts, record_surfacing
 
 SCRIPT = "tests/replicas/check_replicas.py"
 
@@ -26,7 +26,10 @@ def torchrun(*args: str, timeout: float, nproc: int = 6) -> tuple[subprocess.Com
 
 
 def lines(proc: subprocess.CompletedProcess[str], prefix: str) -> list[str]:
-    return [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+    """The drivers' reports starting with ``prefix``. Ranks share the job's stdout, and one rank's report
+    may run into another's line: split at every report, not at newlines."""
+    reports = re.split(r"(?=(?:OK|FAILED|DONE|REFUSED) replica )", proc.stdout)
+    return [r.split("\n", 1)[0] for r in reports if r.startswith(prefix)]
 
 
 def no_process_left() -> None:
@@ -53,8 +56,7 @@ def test_example_trains_two_replicas_as_plain_pytorch():
     proc, _ = torchrun("examples/data_parallel.py", "--replicas", "2", "--steps", "5", "--schedule", "GPipe",
                        "--optimizer", "adam", timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    drifts = [float(line.rsplit(": ", 1)[1]) for line in proc.stdout.splitlines()
-              if "max parameter difference from plain PyTorch" in line]
+    drifts = parameter_drifts(proc.stdout)
     assert len(drifts) == 2 and max(drifts) < 1e-5, proc.stdout
     no_process_left()
 
