@@ -16,7 +16,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from bench_schedules import (  # noqa: E402  (the benchmarks are scripts, not a package)
-    CONTESTANTS, IL_CONTESTANTS, gm_se, interleaved_target, memory_target, pipelining_target, recompute_target)
+    CONTESTANTS, IL_CONTESTANTS, gm_se, interleaved_target, memory_target, pipelining_target, recompute_target,
+    undisturbed)
 
 
 @pytest.mark.timeout(240)
@@ -120,3 +121,14 @@ def test_interleaved_target_needs_every_cell_ahead() -> None:
     assert interleaved_target(result)["met"] is True
     rows.append(row(16, 0.8, 0.9))
     assert interleaved_target(result)["met"] is False
+
+
+def test_undisturbed_cells_kept_the_cores_busy() -> None:
+    def busy(cpu_ms: float, step_ms: float) -> dict[str, Any]:
+        return {"samples_per_s": 1.0, "step": {"median_ms": step_ms}, "round_medians_ms": [step_ms],
+                "cpu": {"user_ms": [cpu_ms], "sys_ms": [0.0], "minor_faults": [0.0]}}
+
+    rows = [{"chunks": 8, "contestants": {"1f1b": busy(180.0, 100.0), "pp_1f1b": busy(160.0, 100.0)}},
+            {"chunks": 16, "contestants": {"1f1b": busy(180.0, 100.0), "pp_1f1b": busy(110.0, 100.0)}}]
+    result = {"machine": {"cpus_usable": 2}, "speed": [{"name": "mlp", "stages": 2, "rows": rows}]}
+    assert undisturbed(result) == {"mlp 2st m=8"}  # at m=16 pipelining kept 1.1 of 2 cores busy
