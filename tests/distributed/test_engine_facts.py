@@ -324,10 +324,17 @@ def test_a_backward_started_on_the_last_stages_worker_leaves_the_plain_gradients
     print(f"backward from the last stage's worker {outcome['seconds'] * 1000:.1f} ms")
 
 
-def free_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def free_urls(count: int) -> list[str]:
+    """``count`` distinct free rendezvous addresses: each port is held until all are chosen (one port chosen
+    twice put two scenarios on one store, whose client then failed to validate: "Connection reset by peer")."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def test_several_backwards_in_one_context_hang(tmp_path):
@@ -349,9 +356,9 @@ def test_several_backwards_in_one_context_hang(tmp_path):
         "last_stage_blocks_1_rpc_thread": ["hung"], "last_stage_blocks_4_rpc_threads": ["finished"],
     }
     procs = {}
-    for name in scenarios:
+    for name, url in zip(scenarios, free_urls(len(scenarios))):
         code = ("from tests.distributed.engine_probes import several_backwards_script\n"
-                f"several_backwards_script({free_url()!r}, {name!r}, {HANG_WAIT})\n")
+                f"several_backwards_script({url!r}, {name!r}, {HANG_WAIT})\n")
         procs[name] = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outcomes, timings = {}, {}
