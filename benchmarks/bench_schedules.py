@@ -43,11 +43,8 @@ computes it on its last rank), then ``DistributedOptimizer.step``.
 3. **Memory** kept for backward per stage (``rrefpipe.memory``: saved tensors counted while alive,
    one tracked step after an untracked one), ``1F1B`` against ``GPipe``, both ``checkpoint='never'``
    through ``train_step``, at m = 8, 16, 32: 1F1B holds at most n - j micro-batches in flight on
-   stage j, GPipe all m, so the ratio per stage should stay under ``(n - j)/m + 1/m``. ``train_step``
-   sends stage 0 the whole mini-batch in one message and splits it there, so every micro-batch's
-   saved input on stage 0 is a view of that one storage, counted once (``rrefpipe.memory`` counts
-   storages) and alive for the whole step under any schedule; ``net`` is the ratio without it (stage 0's
-   peaks less the mini-batch's bytes; the other stages' ratios unchanged).
+   stage j, GPipe all m, so the ratio per stage should stay under ``(n - j)/m + 1/m``. (Stage 0 splits
+   the mini-batch into micro-batches of their own storage, so each saved input goes with its backward.)
 
 Statistics: a cell's ratio is one contestant's samples/s over another's (pooled medians); over cells,
 the geometric mean and the standard error of the mean log ratio (``+-``, about a relative error).
@@ -217,7 +214,6 @@ def memory_by_schedule(names: Sequence[str], spec: ModelSpec, n: int, chunks: Se
     from rrefpipe import memory
 
     workers, model, balance, (x, y) = list(names[:n]), spec.build(), spec.balance(n), spec.data()
-    batch_bytes = x.numel() * x.element_size()
     rows = []
     memory.track_workers(workers)
     try:
@@ -235,14 +231,8 @@ def memory_by_schedule(names: Sequence[str], spec: ModelSpec, n: int, chunks: Se
             row["ratio"] = [a / b if b else None for a, b in zip(one, gp)]
             row["bound"] = [(n - j) / m + 1 / m for j in range(n)]
             row["within_bound"] = all(r is not None and r <= b for r, b in zip(row["ratio"], row["bound"]))
-            # Stage 0's saved inputs are views of the whole mini-batch, one storage, counted once, in both.
-            net = [(a - batch_bytes, b - batch_bytes) if j == 0 else (a, b) for j, (a, b) in enumerate(zip(one, gp))]
-            row["ratio_net_of_input"] = [a / b if b > 0 and a >= 0 else None for a, b in net]
-            row["within_bound_net"] = all(r is not None and r <= b for r, b in zip(row["ratio_net_of_input"],
-                                                                                   row["bound"]))
             rows.append(row)
-            log(f"  memory {spec.name} {n}st m={m}: 1F1B/GPipe " + " ".join(_f(r, ".3f") for r in row["ratio"])
-                + " (net of stage 0's input: " + " ".join(_f(r, ".3f") for r in row["ratio_net_of_input"]) + ")")
+            log(f"  memory {spec.name} {n}st m={m}: 1F1B/GPipe " + " ".join(_f(r, ".3f") for r in row["ratio"]))
     finally:
         for future in [rpc.rpc_async(w, memory.stop_tracking) for w in workers]:
             future.wait()
@@ -496,9 +486,6 @@ def memory_target(result: dict[str, Any]) -> dict[str, Any]:
                for j, (v, b) in enumerate(zip(r["ratio"], r["bound"])) if v is None or v > b]
     if outside:
         detail += f"; above it: {', '.join(outside)}"
-    net = sum(r.get("within_bound_net", False) for _, r in rows)
-    detail += (f" | net of stage 0's mini-batch input (one storage every micro-batch's saved input views, alive all "
-               f"step under any schedule): {net}/{len(rows)} within the bound")
     return _target(name, met, detail)
 
 
@@ -627,18 +614,15 @@ def print_memory(secs: list[dict[str, Any]]) -> None:
     if not secs:
         return
     print("\nMemory kept for backward per stage, one train_step, checkpoint 'never' (rrefpipe.memory): MiB for GPipe "
-          "and 1F1B, their ratio and the bound (n - j)/m + 1/m, '/' between stages; net of input: stage 0's peaks less "
-          "the mini-batch input, which train_step hands stage 0 whole (its micro-batches' saved inputs view it)")
+          "and 1F1B, their ratio and the bound (n - j)/m + 1/m, '/' between stages")
     print(f"  {'model':<12} {'n':>2} {'m':>3} | {'GPipe MiB':<20} {'1F1B MiB':<20} | {'1F1B/GPipe':<20} "
-          f"{'bound':<20} {'within':<6} | {'net of input':<20} within")
+          f"{'bound':<20} within")
     for sec in secs:
         for r in sec["rows"]:
             mib = {k: "/".join(f"{b / 2**20:.2f}" for b in v) for k, v in r["peak_bytes"].items()}
             print(f"  {sec['name']:<12} {sec['stages']:>2} {r['chunks']:>3} | {mib['gpipe']:<20} {mib['1f1b']:<20} | "
                   f"{'/'.join(_f(v, '.3f') for v in r['ratio']):<20} {'/'.join(f'{b:.3f}' for b in r['bound']):<20} "
-                  f"{'yes' if r['within_bound'] else 'NO':<6} | "
-                  f"{'/'.join(_f(v, '.3f') for v in r.get('ratio_net_of_input', [])):<20} "
-                  f"{'yes' if r.get('within_bound_net') else 'NO'}")
+                  f"{'yes' if r['within_bound'] else 'NO'}")
 
 
 def report(result: dict[str, Any], out: Path) -> None:

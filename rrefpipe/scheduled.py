@@ -253,7 +253,10 @@ class _StepRun:
             device = first.stage.device
             with first.stream.running():
                 value = microbatch.apply(lambda t: to_device(t, device), self._value)
-            self.batches = microbatch.scatter(value, self.plan.chunks)
+                # Each micro-batch in storage of its own, so that its forward's saved input goes with its
+                # backward: views would keep the whole batch until the step's last backward (1F1B's bound).
+                self.batches = [microbatch.apply(_own_storage, b) for b in microbatch.scatter(value, self.plan.chunks)]
+            self._value = None
         last = self.servers.get(self.plan.stages - 1)
         if last is not None and self._target is not None:  # loss_fn gets it where the output is
             device = last.stage.device
@@ -265,7 +268,7 @@ class _StepRun:
         srv = self.servers[j]
         stage = srv.stage
         if j == 0:
-            value = self.batches[i]
+            value, self.batches[i] = self.batches[i], ()  # the graph keeps what backward needs, nothing else
             inputs: list[Tensor | None] = [None] * len(microbatch.as_tensors(value))
         else:
             value, inputs = _leaves(self._take(("F", j, i), lambda: f"the activation of micro-batch {i} from stage "
@@ -431,6 +434,11 @@ def _ready_events(payload: Payload) -> list[torch.cuda.Event]:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return events
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """``t``, copied where it is a view into a larger storage."""
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
 
 
 def _grad(t: Tensor | None) -> Tensor | None:

@@ -7,9 +7,9 @@ of 512 rows, which keep 2 x 128 KiB per micro-batch (the Linear's input, the ReL
 micro-batch's worth is measured on its own (a GPipe step of one micro-batch), so that "GPipe keeps m of
 them" can fail.
 
-Stage 0's micro-batches are views of the whole mini-batch the driver sent, one storage, which the tracker
-counts once and whole (and which that worker holds for the whole step under any schedule): its share is
-taken out before stage 0 is compared, as ``benchmarks/bench_schedules.py`` does."""
+Stage 0 is bounded like the others: it splits the mini-batch the driver sent into micro-batches of their
+own storage, so a micro-batch's input goes with its backward (views of the whole batch kept all of it, and
+all m inputs, until the step's last backward)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,10 +44,6 @@ class Peaks:
     one: list[int]
     gpipe: list[int]
     one_f_one_b: list[int]
-
-    def net(self, peaks: list[int], j: int, microbatches: int) -> int:
-        """``peaks[j]`` without stage 0's input storage (``microbatches`` micro-batches of it)."""
-        return peaks[j] - (INPUT_BYTES * microbatches if j == 0 else 0)
 
 
 def _peaks(names: list[str], n: int, schedule: str, chunks: int) -> list[int]:
@@ -89,26 +85,18 @@ def test_one_microbatch_keeps_what_the_model_saves(measured, n, m):
 def test_gpipe_keeps_every_microbatch(measured, n, m):
     p = measured[n, m]
     for j in range(n):
-        one = p.net(p.one, j, 1)
-        assert (m - 1) * one <= p.net(p.gpipe, j, m) <= m * one, (j, p)
+        assert (m - 1) * p.one[j] <= p.gpipe[j] <= m * p.one[j], (j, p)
 
 
 @pytest.mark.parametrize("n, m", CASES)
 def test_1f1b_keeps_at_most_n_minus_j_microbatches(measured, n, m):
-    """On stage j: at most (n - j) / m of GPipe's peak, and one micro-batch's worth (GPipe's peak / m) of
-    slack."""
+    """On stage j, stage 0 included: at most (n - j) / m of GPipe's peak, and one micro-batch's worth
+    (GPipe's peak / m) of slack."""
     p = measured[n, m]
     for j in range(n):
-        gpipe = p.net(p.gpipe, j, m)
+        gpipe = p.gpipe[j]
         bound = (n - j) / m * gpipe + gpipe / m
-        kept = p.net(p.one_f_one_b, j, m)
+        kept = p.one_f_one_b[j]
         assert 0 < kept <= bound, (j, kept, bound, p)
         assert kept < gpipe / 2, (j, kept, gpipe)  # the bound says something: m >= 2 (n - j) + 2 here
-
-
-def test_stage_0_counts_the_whole_minibatch_input_under_both_schedules(measured):
-    """What the net figures above take out: the micro-batches are views of one storage, counted whole
-    whenever any of them is kept, so stage 0 shows all m inputs under 1F1B too."""
-    for (n, m), p in measured.items():
-        assert p.gpipe[0] - p.net(p.gpipe, 0, m) == m * INPUT_BYTES
-        assert p.one_f_one_b[0] >= m * INPUT_BYTES + p.net(p.one, 0, 1), p
+        assert kept == (n - j) * p.one[j], (j, kept, p)  # exactly n - j micro-batches in flight
