@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import statistics
@@ -77,7 +76,7 @@ from torch import Tensor, nn
 
 import suite_pipelining
 from bench_core import ideal_step_ms, loadavg, machine_info, stage_compute, stage_tick_ms, summary
-from bench_suite import add_ideal, log, pipelining_row, pooled, wait_for_quiet  # (registers suite_models
+from bench_suite import add_ideal, log, pipelining_row, pooled, run_and_report  # (registers suite_models
 # for pickling by value: the stage workers get the models' classes)
 from suite_models import SPECS, ModelSpec, split
 from suite_pipelining import LR, PipeliningGroup
@@ -700,22 +699,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.report:
-        result = json.loads(args.report.read_text())
-        result["targets"] = evaluate(result)
-        report(result, args.report)
-        return
-    if args.wait_load > 0:
-        wait_for_quiet(args.wait_load, args.wait_max)
-    started = time.perf_counter()
-    result = run(args)
-    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result["wall_s"] = time.perf_counter() - started
-    result["targets"] = evaluate(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str))
-    report(result, args.out)
+    run_and_report(parse_args(argv), run, evaluate, report)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -369,8 +369,10 @@ def report(result: dict[str, Any], out: Path) -> None:
           f"{result['loadavg_start']}, at end {result['loadavg_end']}")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+def run_and_report(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                   evaluate: Callable[[dict[str, Any]], Any], report: Callable[[dict[str, Any], Path], None]) -> None:
+    """A benchmark's main: redraw a saved run (``--report``), or wait for a quiet machine, run, save the
+    JSON (first: nothing below may lose the run), then print the tables and targets."""
     if args.report:  # only redraw: tables, targets and chart from a saved run
         result = json.loads(args.report.read_text())
         result["targets"] = evaluate(result)
@@ -384,8 +386,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     result["wall_s"] = time.perf_counter() - started
     result["targets"] = evaluate(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str))  # first: nothing below may lose the run
+    args.out.write_text(json.dumps(result, indent=1, default=str))
     report(result, args.out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_and_report(parse_args(argv), run, evaluate, report)
 
 
 if __name__ == "__main__":
