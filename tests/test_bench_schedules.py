@@ -39,7 +39,8 @@ def test_quick_run_writes_every_row(tmp_path: Path) -> None:
         assert "error" not in cell, (key, cell.get("error"))
         assert cell["samples_per_s"] > 0 and cell["step"]["n"] == 2
         assert cell["achieved_over_ideal_mb"] > 0
-        assert cell["cpu"] is not None and cell["cores"] > 0  # the contestant's processes were found in /proc
+        assert cell["cpu"] is not None and cell["cores"] >= 0  # the contestant's processes were found in /proc
+        # (not > 0: two quick steps of the tiny model can take less CPU than one clock tick of /proc's counters)
 
     (il,) = result["interleaved"]
     assert (il["name"], il["balance_interleaved"], il["stages_per_worker"], il["workers"]) == ("tiny", [1, 2, 2, 1],
