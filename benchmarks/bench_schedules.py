@@ -69,7 +69,6 @@ from typing import Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
@@ -79,7 +78,7 @@ from bench_core import ideal_step_ms, loadavg, machine_info, stage_compute, stag
 from bench_suite import add_ideal, log, pipelining_row, pooled, run_and_report  # (registers suite_models
 # for pickling by value: the stage workers get the models' classes)
 from suite_models import SPECS, ModelSpec, split
-from suite_pipelining import LR, PipeliningGroup
+from suite_pipelining import LR, PipeliningGroup, timed_steps
 from suite_pipelining import _time_steps as suite_time_steps
 from suite_record import proc_delta, proc_stat
 from suite_report import cpu_total_ms, sps
@@ -128,24 +127,7 @@ def _time_steps(cmd: dict[str, Any], rank: int, world: int, cache: dict[str, Any
     stages: list[Any] = [PipelineStage(part, rank + k * world, n, torch.device("cpu")) for k, part in enumerate(parts)]
     sched = ScheduleInterleaved1F1B(stages, n_microbatches=cmd["chunks"], loss_fn=spec.loss_fn())
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=LR)
-    times, before = [], None
-    for k in range(cmd["warmup"] + cmd["repeats"]):
-        if k == cmd["warmup"]:
-            before = proc_stat(os.getpid())
-        dist.barrier()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if rank == 0:  # stage 0
-            sched.step(x)
-        elif rank == (n - 1) % world:  # the last stage
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
-        opt.step()
-        dist.barrier()
-        if k >= cmd["warmup"]:
-            times.append(time.perf_counter() - start)
-    return {"times": times, "cpu": [before, proc_stat(os.getpid())]}
+    return timed_steps(cmd, sched, opt, first=rank == 0, last=rank == (n - 1) % world, x=x, y=y)
 
 
 def _rank_main(*args: Any) -> None:

@@ -49,6 +49,13 @@ def _time_steps(cmd: dict[str, Any], rank: int, world: int, cache: dict[str, Any
     part, x, y = cache[key]
     sched = _build_schedule(spec, part, rank, world, cmd["schedule"], cmd["chunks"])
     opt = torch.optim.SGD(part.parameters(), lr=LR)
+    return timed_steps(cmd, sched, opt, first=rank == 0, last=rank == world - 1, x=x, y=y)
+
+
+def timed_steps(cmd: dict[str, Any], sched: Any, opt: torch.optim.Optimizer, *, first: bool, last: bool,
+                x: Any, y: Any) -> dict[str, Any]:
+    """``cmd``'s warm-up and timed steps of a rank's schedule (``first``: it holds stage 0 and feeds ``x``;
+    ``last``: the last stage, given ``y``): step times, and /proc's counters around the timed ones."""
     times, before = [], None
     for k in range(cmd["warmup"] + cmd["repeats"]):
         if k == cmd["warmup"]:
@@ -56,9 +63,9 @@ def _time_steps(cmd: dict[str, Any], rank: int, world: int, cache: dict[str, Any
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if rank == 0:
+        if first:
             sched.step(x)
-        elif rank == world - 1:
+        elif last:
             losses: list[Any] = []
             sched.step(target=y, losses=losses)
         else:
