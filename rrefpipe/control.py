@@ -138,9 +138,7 @@ def traffic(pipe_id: str, index: int) -> dict[str, tuple[int, int]]:
 def _worker_state(pipe_id: str, indices: list[int]) -> tuple[list[Tensor], list[Tensor], StageStream]:
     """The parameters and buffers of this worker's stages ``indices`` (each once), and their stream."""
     servers = [_server(pipe_id, j) for j in indices]
-    modules = [server.stage.module for server in servers]
-    params: list[Tensor] = list(dict.fromkeys(p for module in modules for p in module.parameters() if p.requires_grad))
-    buffers = list(dict.fromkeys(b for module in modules for b in module.buffers()))
+    params, buffers = gradients.worker_tensors([server.stage.module for server in servers])
     return params, buffers, servers[0].stream
 
 

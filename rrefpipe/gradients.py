@@ -12,13 +12,21 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
-__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install"]
+__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "worker_tensors"]
 
 
 def context_gradients(module: nn.Module, context_id: int) -> list[Tensor]:
     """The gradients of ``module``'s parameters in the context (those that got one), in place."""
     grads = dist_autograd.get_gradients(context_id)
     return [grads[p] for p in module.parameters() if p in grads]
+
+
+def worker_tensors(modules: Sequence[nn.Module]) -> tuple[list[Tensor], list[Tensor]]:
+    """The parameters that train and the buffers of a worker's stages, each once (stages of one worker may
+    share one): what its gradient install and the averaging between replicas go over, in a fixed order."""
+    params: list[Tensor] = list(dict.fromkeys(p for m in modules for p in m.parameters() if p.requires_grad))
+    buffers = list(dict.fromkeys(b for m in modules for b in m.buffers()))
+    return params, buffers
 
 
 def gradient_norm(grads: Sequence[Tensor], norm_type: float) -> Tensor | None:

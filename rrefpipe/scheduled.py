@@ -250,19 +250,15 @@ class _StepRun:
                 p.grad = None  # gradients accumulate here over the step's micro-batches only
         first = self.servers.get(0)
         if first is not None and self._value is not None:  # one copy to the device, not one per micro-batch
-            device = first.stage.device
             with first.stream.running():
-                value = microbatch.apply(lambda t: to_device(t, device), self._value)
                 # Each micro-batch in storage of its own, so that its forward's saved input goes with its
                 # backward: views would keep the whole batch until the step's last backward (1F1B's bound).
-                self.batches = [microbatch.apply(_own_storage, b) for b in microbatch.scatter(value, self.plan.chunks)]
+                self.batches = [microbatch.apply(_own_storage, b) for b in _split_on(first, self._value, self.plan)]
             self._value = None
         last = self.servers.get(self.plan.stages - 1)
         if last is not None and self._target is not None:  # loss_fn gets it where the output is
-            device = last.stage.device
             with last.stream.running():
-                target = microbatch.apply(lambda t: to_device(t, device), self._target)
-            self.targets = microbatch.scatter(target, self.plan.chunks)
+                self.targets = _split_on(last, self._target, self.plan)
 
     def _forward(self, j: int, i: int) -> None:
         srv = self.servers[j]
@@ -338,15 +334,13 @@ class _StepRun:
     def _install(self) -> None:
         """Move the parameters' gradients, summed over the step's micro-batches (and averaged over the
         replicas, if any), into the caller's context, adding to what an earlier step there left."""
-        modules = [srv.stage.module for srv in self.servers.values()]
-        params = list(dict.fromkeys(  # once each: a parameter two stages of this worker share got one sum
-            p for module in modules for p in module.parameters() if p.requires_grad))
+        # once each: a parameter two stages of this worker share got one sum
+        params, buffers = gradients.worker_tensors([srv.stage.module for srv in self.servers.values()])
         grads: list[Tensor | None] = [p.grad for p in params]
         for p in params:
             p.grad = None
         with next(iter(self.servers.values())).stream.running():  # a worker's stages share its device
             if replicas.current() is not None:
-                buffers = list(dict.fromkeys(b for module in modules for b in module.buffers()))
                 start = time.time()
                 grads = replicas.end_step(params, grads, sum(self.plan.rows), buffers)
                 for srv in self.servers.values():  # one span per stage row of the timeline
@@ -434,6 +428,12 @@ def _ready_events(payload: Payload) -> list[torch.cuda.Event]:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return events
+
+
+def _split_on(srv: StageServer, value: TensorOrTensors, plan: StepPlan) -> list[TensorOrTensors]:
+    """``value`` on the stage's device (one copy, on the current stream), split into the step's micro-batches."""
+    device = srv.stage.device
+    return microbatch.scatter(microbatch.apply(lambda t: to_device(t, device), value), plan.chunks)
 
 
 def _own_storage(t: Tensor) -> Tensor:
