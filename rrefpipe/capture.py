@@ -118,6 +118,7 @@ class CapturedModel:
     parameter and buffer name of stage ``j`` to the original ``state_dict`` keys of that tensor
     (empty for tensors the state dict leaves out). ``unused_keys``: original keys no stage holds
     (parameters ``forward`` never uses). ``training``: the mode the graphs were captured in.
+    ``numbers``: the stage outputs that are Python numbers, not tensors (sizes that depend on the batch).
     ``input_names``: each flat input as the sample gave it (``args[0]``, ``kwargs['mask']``);
     ``in_spec``/``out_spec``: the pytree structures of the call and of the output. ``seconds``: how
     long ``torch.export`` and the split took.
@@ -134,6 +135,7 @@ class CapturedModel:
     tied: list[TiedParameter]
     unused_keys: list[str]
     training: bool
+    numbers: frozenset[Source] = frozenset()
     seconds: dict[str, float] = field(default_factory=dict)
     _expected: list[object] = field(default_factory=list, repr=False)  # a _TensorSpec or the sample's value
 
@@ -277,10 +279,10 @@ def capture(module: nn.Module, args: tuple[object, ...] | Tensor, kwargs: Mappin
     _check_calls_within_stages(regions, stage_of, modules)
     split = split_module(graph_module, module, lambda node: stage_of[node], keep_original_order=True,
                          tuple_return=True)
-    stages, inputs, outputs, constants = _stages_and_routes(split, graph_module, module.training)
+    stages, inputs, outputs, constants, numbers = _stages_and_routes(split, graph_module, module.training)
     state_keys, tied, unused = _state_keys(module, stages)
     return CapturedModel(stages, inputs, outputs, constants, exported.call_spec.in_spec, exported.call_spec.out_spec,
-                         names, state_keys, tied, unused, module.training,
+                         names, state_keys, tied, unused, module.training, frozenset(numbers),
                          {"export": exported_at - started, "split": time.perf_counter() - exported_at}, expected)
 
 
@@ -553,21 +555,26 @@ def _listing(marks: Mapping[str, int]) -> str:
 
 
 def _stages_and_routes(split: fx.GraphModule, graph_module: fx.GraphModule, training: bool
-                       ) -> tuple[list[fx.GraphModule], list[list[Source]], list[Source], list[object]]:
-    """The stage modules and the routing table, read from ``split_module``'s root graph."""
+                       ) -> tuple[list[fx.GraphModule], list[list[Source]], list[Source], list[object], set[Source]]:
+    """The stage modules and the routing table, read from ``split_module``'s root graph; the stage
+    outputs that are numbers."""
     stages: list[fx.GraphModule] = []
     inputs: list[list[Source]] = []
     source_of: dict[fx.Node, Source] = {}
     stage_index: dict[fx.Node, int] = {}
     outputs: list[Source] = []
     constants: list[object] = []
+    numbers: set[Source] = set()
     placeholders = 0
     for node in split.graph.nodes:
         if node.op == "placeholder":
             source_of[node] = Source(INPUT, placeholders)
             placeholders += 1
         elif node.op == "call_module":
-            stage, kept = _stage_module(split.get_submodule(str(node.target)), node.args, graph_module, len(stages))
+            sub = split.get_submodule(str(node.target))
+            assert isinstance(sub, fx.GraphModule)
+            numbers.update(Source(len(stages), k) for k in _number_outputs(sub))
+            stage, kept = _stage_module(sub, node.args, graph_module, len(stages))
             stage.train(training)
             stage_index[node] = len(stages)
             inputs.append([source_of[a] for a in kept])
@@ -587,7 +594,17 @@ def _stages_and_routes(split: fx.GraphModule, graph_module: fx.GraphModule, trai
                 else:
                     outputs.append(Source(CONSTANT, len(constants)))
                     constants.append(value)
-    return stages, inputs, outputs, constants
+    return stages, inputs, outputs, constants, numbers
+
+
+def _number_outputs(sub: fx.GraphModule) -> list[int]:
+    """The positions of a partition's outputs that export traced as numbers (``SymInt``), read before
+    the graph's metadata is dropped."""
+    (result,) = [n.args[0] for n in sub.graph.nodes if n.op == "output"]
+    values = result if isinstance(result, (tuple, list)) else [result]
+    return [k for k, v in enumerate(values)
+            if isinstance(v, fx.Node) and isinstance(v.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool,
+                                                                          int, float, bool))]
 
 
 def _stage_module(sub: torch.nn.Module, args: Iterable[object], graph_module: fx.GraphModule,

@@ -18,6 +18,7 @@ from torch import Tensor
 import torch.distributed.autograd as dist_autograd
 
 from . import _rpc, gradients, replicas
+from .captured import counted_elsewhere
 from .errors import Failure
 from .server import _server
 from .trace import Event
@@ -43,10 +44,40 @@ def parameter_rrefs(pipe_id: str, index: int) -> list[rpc.RRef]:
 
 
 def gradient_norm(pipe_id: str, index: int, context_id: int, norm_type: float) -> Tensor | None:
-    """The norm of this stage's gradients in the context, after backward's last kernels."""
+    """The norm of this stage's gradients in the context, after backward's last kernels; a tied
+    parameter's copy counts on the first stage that holds one only."""
     server = _server(pipe_id, index)
+    module = server.stage.module
     with server.stream.running():
-        return gradients.gradient_norm(gradients.context_gradients(server.stage.module, context_id), norm_type)
+        return gradients.gradient_norm(gradients.context_gradients(module, context_id, counted_elsewhere(module)),
+                                       norm_type)
+
+
+def tied_gradients(pipe_id: str, index: int, context_id: int, names: list[str]) -> list[Tensor | None]:
+    """The gradients in the context of this stage's copies of tied parameters (by name in the stage), on
+    the CPU: the driver sums them over the stages that hold a copy (:func:`set_tied_gradients`)."""
+    server = _server(pipe_id, index)
+    stored = dist_autograd.get_gradients(context_id)
+    with server.stream.running():
+        grads = [stored.get(server.stage.module.get_parameter(name)) for name in names]
+        return [None if g is None else g.to("cpu", copy=True) for g in grads]
+
+
+def set_tied_gradients(pipe_id: str, index: int, context_id: int, names: list[str], totals: list[Tensor]) -> None:
+    """Each tied copy's gradient in the context becomes ``totals`` (their sum over the stages)."""
+    server = _server(pipe_id, index)
+    module = server.stage.module
+    stored = dist_autograd.get_gradients(context_id)
+    missing = []
+    with server.stream.running():
+        for name, total in zip(names, totals):
+            param = module.get_parameter(name)
+            if param in stored:
+                stored[param].copy_(total)
+            else:
+                missing.append((param, total.to(param.device)))
+        gradients.install(context_id, [p for p, _ in missing], [g for _, g in missing])
+    server.stream.settle()
 
 
 def _rewrite_gradients(pipe_id: str, index: int, context_id: int, rewrite: Callable[[list[Tensor]], T]) -> T:

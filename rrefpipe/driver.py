@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,6 +51,7 @@ class _Collector:
 
 _collectors: dict[tuple[str, int], _Collector] = {}
 _pipe_ids = itertools.count()
+_with_tied: weakref.WeakValueDictionary[str, RemoteDriver] = weakref.WeakValueDictionary()  # by pipe id
 
 
 def deliver(pipe_id: str, step: int, value: TensorOrTensors, phony: Tensor | None = None,
@@ -128,6 +130,7 @@ class RemoteDriver:
         self._warned_no_gradient_output = False
         self._closed = False
         self.infos: list[StageInfo] = []
+        self.tied: list[dict[int, str]] = []  # per tied parameter: the name of its copy on each stage holding one
         self._placed = 0  # stages asked for: one interrupted (Ctrl-C) is still built on its worker
         try:
             for spec in specs:
@@ -148,6 +151,32 @@ class RemoteDriver:
         except BaseException:
             self.close()
             raise
+
+    def tie(self, tied: list[dict[int, str]]) -> None:
+        """Parameters several stages hold a copy of (a captured model's tied weights): their gradients are
+        summed after each backward and training step (:meth:`sum_tied_gradients`)."""
+        self.tied = tied
+        _with_tied[self.pipe_id] = self
+
+    def sum_tied_gradients(self, context_id: int) -> None:
+        """Each tied parameter's gradient in the context, summed over the stages that hold a copy, given to
+        every copy (as Megatron-LM does for the embedding shared with the output head), so that identical
+        optimizer steps keep the copies identical. Called on the driver after the backward."""
+        names: dict[int, list[str]] = {}
+        for tie in self.tied:
+            for j, name in tie.items():
+                names.setdefault(j, []).append(name)
+        got = {j: dict(zip(ns, self._call(j, control.tied_gradients, self.pipe_id, j, context_id, ns)))
+               for j, ns in names.items()}
+        totals: dict[int, dict[str, Tensor]] = {}
+        for tie in self.tied:
+            grads = [got[j][name] for j, name in tie.items() if got[j][name] is not None]
+            if grads:
+                total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0]
+                for j, name in tie.items():
+                    totals.setdefault(j, {})[name] = total
+        for j, by_name in totals.items():
+            self._call(j, control.set_tied_gradients, self.pipe_id, j, context_id, list(by_name), list(by_name.values()))
 
     def _summary(self) -> list[str]:
         """What must be the same on every replica: each stage's layers and device, and the settings."""
@@ -274,6 +303,7 @@ class RemoteDriver:
 
     def close(self) -> None:
         self._closed = True
+        _with_tied.pop(self.pipe_id, None)
         for j, worker in enumerate(self.workers[:self._placed]):
             try:
                 rpc.rpc_sync(worker, server.destroy_stage, args=(self.pipe_id, j), timeout=5)
@@ -382,6 +412,8 @@ class RemoteDriver:
             losses = training_run(self.pipe_id, self.workers[:p], plan, microbatch.apply(_send_copy, value),
                                   microbatch.apply(_send_copy, target), payload, self.rpc_timeout)
         contexts.trained(context_id, self.pipe_id)
+        if self.tied:
+            self.sum_tied_gradients(context_id)
         return mean_loss(losses, rows)
 
     def _warn_no_gradient_output(self) -> None:
@@ -412,6 +444,10 @@ class RemoteDriver:
             for pipe_id, record in by_pipe.items():
                 self._call_per_worker(pipe_id, record.workers, control.average_replica_gradients, context_id,
                                       record.rows)
+        for pipe_id in by_pipe:  # a tied parameter's copies: their gradients summed
+            tied = _with_tied.get(pipe_id)
+            if tied is not None:
+                tied.sum_tied_gradients(context_id)
 
     def _retain_context(self, context_id: int, by_pipe: dict[str, contexts.Forwards]) -> list[Future[None]]:
         """Keep a failed backward's context alive here and on every stage worker of the pipes in it

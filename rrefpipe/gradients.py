@@ -5,7 +5,7 @@ context from outside a backward (``install``: ``Pipe.train_step`` computes them 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -15,10 +15,11 @@ from torch import Tensor, nn
 __all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "worker_tensors"]
 
 
-def context_gradients(module: nn.Module, context_id: int) -> list[Tensor]:
-    """The gradients of ``module``'s parameters in the context (those that got one), in place."""
+def context_gradients(module: nn.Module, context_id: int, leave_out: Collection[Tensor] = ()) -> list[Tensor]:
+    """The gradients of ``module``'s parameters in the context (those that got one), in place; none of
+    the parameters ``leave_out``."""
     grads = dist_autograd.get_gradients(context_id)
-    return [grads[p] for p in module.parameters() if p in grads]
+    return [grads[p] for p in module.parameters() if p in grads and p not in leave_out]
 
 
 def worker_tensors(modules: Sequence[nn.Module]) -> tuple[list[Tensor], list[Tensor]]:

@@ -18,6 +18,7 @@ from . import _rpc, calling, clip, microbatch, placement
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
+from .captured import CapturedPipeModel, StructuredLoss, wants_capture
 from .driver import RemoteDriver
 from .errors import warn_user
 from .local import LocalDriver, warn_in_process
@@ -121,8 +122,13 @@ class Pipe(nn.Module):
         call_style: str = "auto",
         schedule: str = "GPipe",
         stages_per_worker: int = 1,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        self._captured: CapturedPipeModel | None = None
+        if wants_capture(module, split_points):
+            self._captured = self._capture(module, sample, split_points, balance, deferred_batch_norm, remote_output)
+            module, balance, sample = self._captured.layers, [1] * len(self._captured.captured.inputs), None
         verify_module(module)
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
@@ -174,10 +180,37 @@ class Pipe(nn.Module):
             self._driver: LocalDriver | RemoteDriver = LocalDriver(stages, stage_devices, chunks=self.chunks,
                                                                    checkpoint=self.checkpoint)
         else:
-            check_unshared(stages)
+            if self._captured is None:  # a captured model's tied parameters get a copy per stage (summed)
+                check_unshared(stages)
             seed = driver_seed()
             specs = [placement.stage_spec(j, stage, None, stage_devices, seed) for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
+            if self._captured is not None:
+                self._captured.layers = None  # on the workers now: the driver keeps no copy
+                if self._captured.tied:
+                    self._driver.tie([{j: f"{j}.graph.{name}" for j, name in t.names.items()}
+                                      for t in self._captured.tied])
+
+    @staticmethod
+    def _capture(module: nn.Module, sample: Any, split_points: Sequence[str] | None, balance: Any,
+                 deferred_batch_norm: bool, remote_output: bool) -> CapturedPipeModel:
+        """Any module cut at ``split_points`` (or its ``set_stage`` marks): checked, captured and made into
+        one layer per stage, before any worker starts."""
+        what = "split_points" if split_points is not None else "set_stage marks"
+        if balance is not None:
+            raise ValueError(f"balance= and {what}: the split points say where stages begin; drop balance")
+        if deferred_batch_norm:
+            raise ValueError(f"deferred_batch_norm=True with {what}: torch.export traces BatchNorm into plain "
+                             "operations, which rrefpipe cannot defer; leave it False (running statistics are then "
+                             "updated per micro-batch), or pipeline an nn.Sequential")
+        if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
+            raise ValueError(f"a model cut at {what} runs on stage workers, and this RPC group has only this "
+                             "process: start workers (or let rrefpipe start them, without init_rpc)")
+        captured = CapturedPipeModel.build(module, sample, split_points)
+        if remote_output and not captured.outputs.plain:
+            raise ValueError("remote_output=True needs a model whose output is a tensor or a tuple of tensors; this "
+                             f"one returns {captured.captured.out_spec.type.__name__}: leave remote_output False")
+        return captured
 
     @classmethod
     def from_factories(
@@ -318,6 +351,8 @@ class Pipe(nn.Module):
             if inputs:
                 raise TypeError(f"Pipe got input= and {len(inputs)} positional input(s): pass the mini-batch once")
             inputs = (input,)
+        if self._captured is not None:  # the model's own arguments, checked against the capture
+            inputs = (self._captured.inputs(inputs),)
         value, spread = microbatch.call_inputs(inputs)
         if placement.abandoned:  # `pipe = Pipe(...)` again: the previous pipe was dropped after this one was built
             placement.release(placement.close_abandoned())
@@ -328,7 +363,10 @@ class Pipe(nn.Module):
                       "order (every forward, then the backward), as the loss is computed here after all outputs "
                       f"came back. {self.schedule} is followed by pipe.train_step(ctx, x, target, loss_fn), which "
                       "computes the loss on the last stage")
-        return self._driver.forward(value, training=self.training, spread=spread or self.call_style == "2.x")
+        output = self._driver.forward(value, training=self.training, spread=spread or self.call_style == "2.x")
+        if self._captured is not None and not self._captured.outputs.plain and isinstance(output, PipeRRef):
+            output = PipeRRef(self._captured.outputs.rebuild(output.local_value()))
+        return output
 
     def train_step(self, context_id: int, input: Any, target: Any,  # noqa: A002 (Pipe's name for it)
                    loss_fn: Callable[[Any, Any], Tensor], *, scaler: Any = None) -> Tensor:
@@ -371,6 +409,10 @@ class Pipe(nn.Module):
                                        and callable(getattr(scaler, "get_scale", None))):
             raise TypeError(f"scaler must be an rrefpipe.GradScaler, got {type(scaler).__name__}")
         scale = 1.0 if scaler is None or not scaler.is_enabled() else float(scaler.get_scale())
+        if self._captured is not None:  # input: the model's positional arguments; loss_fn: its whole output
+            input = self._captured.inputs(input if isinstance(input, tuple) else (input,))  # noqa: A001
+            if not self._captured.outputs.plain:
+                loss_fn = StructuredLoss(loss_fn, self._captured.outputs)
         if placement.abandoned:
             placement.release(placement.close_abandoned())
         return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
@@ -517,7 +559,10 @@ class Pipe(nn.Module):
             if keep_vars:
                 warn_user("state_dict(keep_vars=True) on a Pipe whose stages are on workers: the values are CPU "
                           "copies of the workers' tensors, not their Parameters")
-            destination.update((prefix + key, value) for key, value in self._driver.state_dict().items())
+            state = self._driver.state_dict()
+            if self._captured is not None:
+                state = self._captured.model_state(state)
+            destination.update((prefix + key, value) for key, value in state.items())
         else:
             super()._save_to_state_dict(destination, prefix, keep_vars)
 
@@ -529,6 +574,11 @@ class Pipe(nn.Module):
                                           error_msgs)
             return
         owners = [[layer.split(":")[0] for layer in info.layers] for info in self.stages]
+        if self._captured is not None:  # the model's keys: each stage's part, tied copies included
+            state_dict, missing_here, unexpected_here = self._captured.stage_state(state_dict, prefix)
+            missing_keys.extend(missing_here)
+            unexpected_keys.extend(unexpected_here)
+            prefix = ""
         parts, metadata, unexpected_here = split_state_dict(state_dict, prefix, owners, local_metadata)
         unexpected_keys.extend(unexpected_here)
         for info, (missing, unexpected, error) in zip(self.stages, self._driver.load_state_dict(parts, metadata)):

@@ -1,0 +1,409 @@
+"""A captured model (:mod:`rrefpipe.capture`) as pipeline stages: ``Pipe(model, split_points=[...],
+sample=x)`` runs any ``nn.Module`` through the machinery built for ``nn.Sequential``.
+
+Each captured stage becomes one layer, a :class:`CapturedStage`, of an ``nn.Sequential`` with one layer
+per stage, so every schedule, checkpoint mode, the skip router and the training loop run it unchanged:
+
+* a value stage ``j + 1`` takes from stage ``j`` travels in the activation between them; one that a
+  later stage takes (a long skip, or a caller's input needed past stage 0) is a skip stashed where it
+  is made and popped where it is used, sent straight there, once per stage that uses it
+  (:func:`plan_routes`, pure);
+* numbers that cross a cut (sizes that depend on the micro-batch) travel as 0-dim tensors;
+* ``torch.export`` writes the training mode into the graph, so each stage holds a train-mode and an
+  eval-mode graph over the same tensors and runs the one its ``training`` flag picks;
+* a recomputation (checkpointing) puts back the buffers the graph writes (batch norm's running
+  statistics), so they are updated once per micro-batch, as in the plain model;
+* devices written into the graph (``torch.arange(T, device=x.device)``) follow the stage's device.
+
+:class:`CapturedPipeModel` is what the driver keeps: the inputs' check, the output's structure, the
+tied parameters (each stage that uses one holds a copy; the driver sums their gradients) and the
+model's state-dict keys.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from .capture import CONSTANT, INPUT, CapturedModel, Source, TiedParameter, capture, stage_marks
+from .checkpoint import is_recomputing
+from .skip.namespace import Namespace
+from .skip.skippable import Skippable, pop, stash
+
+__all__ = ["Ref", "StageRoutes", "plan_routes", "CapturedStage", "Outputs", "CapturedPipeModel", "wants_capture",
+           "captured_stages", "counted_elsewhere"]
+
+_NORMS_WITH_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
+
+
+class Ref(NamedTuple):
+    """A value as a stage sees it: ``('input', k)`` the pipe's tensor input ``k`` (stage 0), ``('value', p)``
+    position ``p`` of the activation received, ``('skip', name)`` a popped skip, ``('output', k)`` the
+    stage graph's output ``k``, ``('constant', v)`` a value the capture fixed."""
+
+    kind: str
+    what: Any
+
+
+@dataclass
+class StageRoutes:
+    """Where one stage's graph arguments come from and where its values go."""
+
+    args: list[Ref] = field(default_factory=list)
+    numbers: set[int] = field(default_factory=set)  # arguments that arrive as 0-dim tensors, taken as numbers
+    sends: list[Ref] = field(default_factory=list)  # the activation for the next stage; the last: the model's output
+    stashes: list[tuple[Ref, str]] = field(default_factory=list)
+    pops: list[str] = field(default_factory=list)
+
+
+def plan_routes(captured: CapturedModel) -> list[StageRoutes]:
+    """Each stage's routes: a value goes in the activation to the next stage when that stage uses it, as
+    a skip (named ``'<source> > stage <j>'``) to each later stage that does; the model's outputs made
+    before the last stage reach it as skips too. A caller's input counts as made by stage 0."""
+    n = captured.num_stages
+    tensors = [k for k, e in enumerate(captured._expected) if not _is_constant_input(e)]
+    routes = [StageRoutes() for _ in range(n)]
+
+    def made(source: Source) -> Ref:
+        if source.stage == INPUT:
+            return Ref("input", tensors.index(source.position))
+        return Ref("output", source.position)
+
+    def reach(source: Source, j: int) -> Ref:
+        """``source`` as stage ``j`` gets it, routing it there."""
+        if source.stage == CONSTANT:
+            return Ref("constant", captured.output_constants[source.position])
+        if source.stage == INPUT and _is_constant_input(captured._expected[source.position]):
+            return Ref("constant", captured._expected[source.position])
+        maker = max(source.stage, 0)
+        if maker == j:
+            return made(source)
+        if maker == j - 1:
+            sends = routes[maker].sends
+            if made(source) not in sends:
+                sends.append(made(source))
+            return Ref("value", sends.index(made(source)))
+        name = f"{source} > stage {j}"
+        if name not in routes[j].pops:
+            routes[maker].stashes.append((made(source), name))
+            routes[j].pops.append(name)
+        return Ref("skip", name)
+
+    for j, sources in enumerate(captured.inputs):
+        for p, source in enumerate(sources):
+            routes[j].args.append(reach(source, j))
+            if source in captured.numbers:
+                routes[j].numbers.add(p)
+    last = routes[n - 1]
+    for source in captured.outputs:
+        if source in captured.numbers:
+            raise ValueError(f"the model returns a number computed in forward ({source}, a size): a pipeline's "
+                             "outputs are tensors split along dim 0; return it as a tensor, or compute it outside")
+        if source.stage != CONSTANT:
+            last.sends.append(reach(source, n - 1))
+    return routes
+
+
+def _is_constant_input(expected: object) -> bool:
+    return type(expected).__name__ != "_TensorSpec"  # capture fixed a non-tensor input's value
+
+
+class CapturedStage(Skippable):
+    """One captured stage as a layer: pops its skips, runs the graph of its mode, stashes and returns
+    what later stages take. Its parameters and buffers are those of the train-mode graph, ``graph``
+    (the eval-mode one shares them and is not registered, so each is listed once)."""
+
+    def __init__(self, index: int, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, routes: StageRoutes,
+                 namespace: Namespace, single_output: bool, counted_elsewhere: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.index = index
+        self.graph = train_graph
+        self.__dict__["eval_graph"] = eval_graph
+        self.routes = routes
+        self.single_output = single_output  # a lone tensor goes on as itself, not as a 1-tuple
+        self.counted_elsewhere = frozenset(counted_elsewhere)  # tied copies another stage counts in norms
+        self.stashable_names = frozenset(name for _, name in routes.stashes)  # type: ignore[misc]
+        self.poppable_names = frozenset(routes.pops)  # type: ignore[misc]
+        self.isolate(namespace)
+        self._written = sorted(_written_buffers(train_graph))
+        self._device = _graph_device(train_graph)
+
+    def forward(self, *values: Any) -> Any:
+        if len(values) == 1 and isinstance(values[0], tuple):  # a tuple reaches a layer whole (Pipe's call rule)
+            values = values[0]
+        return self._drive(self._run(values))
+
+    def _run(self, values: Sequence[Any]) -> Generator[Any, Any, Any]:
+        routes = self.routes
+        popped: dict[str, Any] = {}
+        for name in routes.pops:
+            popped[name] = yield pop(name)
+        args = []
+        for p, ref in enumerate(routes.args):
+            value = _resolve(ref, values, popped, ())
+            args.append(value.item() if p in routes.numbers else value)
+        self._follow_device(args)
+        graph = self.graph if self.training else self.eval_graph
+        with self._buffers_kept() if self.training and is_recomputing() else contextlib.nullcontext():
+            outputs = graph(*args)
+        for ref, name in routes.stashes:
+            yield stash(name, _as_tensor(_resolve(ref, values, popped, outputs)))
+        sent = tuple(_as_tensor(_resolve(ref, values, popped, outputs)) for ref in routes.sends)
+        if not sent:  # the next stage takes nothing from this one: it still follows it
+            return torch.zeros((), device=self._device)
+        return sent[0] if self.single_output and len(sent) == 1 else sent
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """A recomputation must not update the running statistics a first forward updated already."""
+        kept = [(buffer, buffer.clone()) for buffer in map(self.graph.get_buffer, self._written)]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+
+    def _follow_device(self, args: Sequence[Any]) -> None:
+        """Devices export wrote into the graphs become the stage's, the first time it runs elsewhere."""
+        here = next((a.device for a in args if isinstance(a, Tensor)), None)
+        if here is None:
+            here = next((t.device for t in self.graph.parameters()), None)
+        if here is not None and here != self._device:
+            for graph in (self.graph, self.eval_graph):
+                retarget(graph, self._device, here)
+            self._device = here
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CapturedStage:
+        """``.to()`` may replace buffers with new tensors: the eval graph takes the train graph's again."""
+        super()._apply(fn, recurse)
+        for name, buffer in self.graph.named_buffers():
+            owner, _, attribute = name.rpartition(".")
+            target = self.eval_graph.get_submodule(owner) if owner else self.eval_graph
+            if attribute in target._buffers:
+                target._buffers[attribute] = buffer
+        return self
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index}: {len(self.routes.args)} inputs, {len(self.routes.sends)} sent on"
+
+
+def _resolve(ref: Ref, values: Sequence[Any], popped: Mapping[str, Any], outputs: Sequence[Any]) -> Any:
+    if ref.kind in ("input", "value"):
+        return values[ref.what]
+    if ref.kind == "skip":
+        return popped[ref.what]
+    if ref.kind == "output":
+        return outputs[ref.what]
+    return ref.what
+
+
+def _as_tensor(value: Any) -> Tensor:
+    return value if isinstance(value, Tensor) else torch.tensor(value)
+
+
+def _graphs(graph: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``graph`` and the bodies of the regions it calls (``no_grad``, ``autocast``, ``cond``)."""
+    return (m for m in graph.modules() if isinstance(m, fx.GraphModule))
+
+
+def _written_buffers(graph: fx.GraphModule) -> set[str]:
+    """The buffers the graph writes: arguments an operation mutates, and batch norm's statistics."""
+    buffers = {name for name, _ in graph.named_buffers()}
+    written: set[str] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if node.target in _NORMS_WITH_STATISTICS:
+            candidates = list(node.args[3:5])
+        elif schema is not None and schema.is_mutable:
+            candidates = [a for a, s in zip(node.args, schema.arguments) if s.alias_info is not None
+                          and s.alias_info.is_write]
+        else:
+            continue
+        written.update(str(a.target) for a in candidates if isinstance(a, fx.Node) and a.op == "get_attr"
+                       and str(a.target) in buffers)
+    return written
+
+
+def _graph_device(graph: fx.GraphModule) -> torch.device:
+    tensor = next(iter([*graph.parameters(), *graph.buffers()]), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def retarget(graph: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Rewrite the device arguments ``old`` in ``graph`` (and its regions) to ``new``."""
+    def move(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
+    for module in _graphs(graph):
+        changed = False
+        for node in module.graph.nodes:
+            args, kwargs = tuple(map(move, node.args)), {k: move(v) for k, v in node.kwargs.items()}
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            module.recompile()
+
+
+class Outputs:
+    """The model's output rebuilt from the last stage's tensors (tuple, dict, ModelOutput, constants put
+    back); picklable, so that a loss function on the last stage gets the output as the model gives it."""
+
+    def __init__(self, captured: CapturedModel) -> None:
+        self.spec = captured.out_spec
+        self.slots: list[tuple[bool, Any]] = []  # (from the stage, index) or (constant, value)
+        k = 0
+        for source in captured.outputs:
+            if source.stage == CONSTANT:
+                self.slots.append((False, captured.output_constants[source.position]))
+            else:
+                self.slots.append((True, k))
+                k += 1
+        leaves_only = all(from_stage for from_stage, _ in self.slots)
+        self.single = self.spec.is_leaf() and leaves_only
+        tuple_of_leaves = self.spec.type is tuple and all(c.is_leaf() for c in _children(self.spec))
+        self.plain = self.single or (tuple_of_leaves and leaves_only and k > 0)  # the stage's value is the output
+
+    def rebuild(self, value: Any) -> Any:
+        if self.plain:
+            return value
+        tensors = (value,) if isinstance(value, Tensor) else tuple(value)
+        return pytree.tree_unflatten([tensors[v] if from_stage else v for from_stage, v in self.slots], self.spec)
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    return [spec.child(k) for k in range(spec.num_children)] if hasattr(spec, "child") else list(spec.children_specs)
+
+
+class StructuredLoss:
+    """``loss_fn(model_output, target)`` given the last stage's tensors: the output rebuilt first."""
+
+    def __init__(self, loss_fn: Any, outputs: Outputs) -> None:
+        self.loss_fn, self.outputs = loss_fn, outputs
+
+    def __call__(self, value: Any, target: Any) -> Any:
+        return self.loss_fn(self.outputs.rebuild(value), target)
+
+
+@dataclass
+class CapturedPipeModel:
+    """What a pipe of a captured model keeps on the driver: the layers to place (one per stage, dropped
+    once placed), the inputs' check, the output's structure, the tied parameters and the state keys."""
+
+    layers: nn.Sequential | None
+    captured: CapturedModel
+    outputs: Outputs
+    tied: list[TiedParameter]
+    state_keys: list[dict[str, tuple[str, ...]]]
+    unused: dict[str, Tensor]
+
+    @classmethod
+    def build(cls, module: nn.Module, sample: Any, split_points: Sequence[str] | None) -> CapturedPipeModel:
+        """Capture ``module`` in both training modes on ``sample`` and make its stages' layers."""
+        if sample is None:
+            raise ValueError(f"Pipe of a {type(module).__name__} cut at split_points or set_stage marks needs "
+                             "sample=: an example input (a tensor, or a tuple of the forward's positional "
+                             "arguments), which torch.export runs the model on to capture it")
+        args = sample if isinstance(sample, tuple) else (sample,)
+        mode = module.training
+        try:
+            module.train(True)
+            train = capture(module, args, split_points=split_points)
+            module.train(False)
+            evaluate = capture(module, args, split_points=split_points)
+        finally:
+            module.train(mode)
+        _check_same_routes(train, evaluate)
+        routes = plan_routes(train)
+        namespace = Namespace()
+        outputs = Outputs(train)
+        layers = nn.Sequential(*(
+            CapturedStage(j, train.stages[j], evaluate.stages[j], routes[j], namespace,
+                          single_output=j < train.num_stages - 1 or outputs.single,
+                          counted_elsewhere=[t.names[j] for t in train.tied if j in t.names and j != min(t.names)])
+            for j in range(train.num_stages)))
+        state = module.state_dict()
+        unused = {key: state[key].detach().clone() for key in train.unused_keys}
+        result = cls(layers, train, outputs, train.tied, train.state_keys, unused)
+        train.stages = []  # the driver keeps no stage: the layers go to the workers
+        return result
+
+    def inputs(self, args: Sequence[Any]) -> Any:
+        """The tensors of a call ``pipe(*args)``, checked against the capture: what stage 0 receives."""
+        flat = self.captured.flatten_inputs(tuple(args), {})
+        tensors = tuple(v for v in flat if isinstance(v, Tensor))
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    # -- state dict: the model's keys --------------------------------------------------------------
+    def model_state(self, stage_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The pipe's state dict under the model's keys from the stages' (``'<j>.graph.<name>'``); a tied
+        parameter once, from the first stage that holds it, under each of its keys."""
+        state: dict[str, Tensor] = {}
+        for j, names in enumerate(self.state_keys):
+            for name, keys in names.items():
+                value = stage_state.get(f"{j}.graph.{name}")
+                for key in keys:
+                    if value is not None and key not in state:
+                        state[key] = value
+        state.update(self.unused)
+        return dict(sorted(state.items(), key=lambda item: self._order.get(item[0], len(self._order))))
+
+    @property
+    def _order(self) -> dict[str, int]:
+        keys = [key for names in self.state_keys for ks in names.values() for key in ks] + list(self.unused)
+        return {key: k for k, key in enumerate(dict.fromkeys(keys))}
+
+    def stage_state(self, state: Mapping[str, Any], prefix: str) -> tuple[dict[str, Any], list[str], list[str]]:
+        """The stages' state dict (``'<j>.graph.<name>'`` keys) from one under the model's keys, every copy
+        of a tied parameter included; the model keys missing and those unexpected (``prefix`` kept)."""
+        parts: dict[str, Any] = {}
+        expected: set[str] = set(self.unused)
+        for j, names in enumerate(self.state_keys):
+            for name, keys in names.items():
+                expected.update(keys)
+                found = next((prefix + key for key in keys if prefix + key in state), None)
+                if found is not None:
+                    parts[f"{j}.graph.{name}"] = state[found]
+        for key in self.unused:
+            if prefix + key in state:
+                self.unused[key] = state[prefix + key].detach().clone()
+        ours = [key for key in state if key.startswith(prefix)]
+        missing = [prefix + key for key in sorted(expected) if prefix + key not in state]
+        unexpected = [key for key in ours if key[len(prefix):] not in expected]
+        return parts, missing, unexpected
+
+
+def _check_same_routes(train: CapturedModel, evaluate: CapturedModel) -> None:
+    """Both modes' graphs must take and give the same values at every cut: one routing serves both."""
+    same = (train.inputs == evaluate.inputs and train.outputs == evaluate.outputs
+            and train.numbers == evaluate.numbers
+            and [set(k) for k in train.state_keys] == [set(k) for k in evaluate.state_keys])
+    if not same:
+        where = next((j for j, (a, b) in enumerate(zip(train.inputs, evaluate.inputs)) if a != b), None)
+        raise ValueError("the model's train-mode and eval-mode graphs differ in what crosses the cuts"
+                         + (f" (stage {where} takes {train.inputs[where]} in training, {evaluate.inputs[where]} in "
+                            "eval)" if where is not None else "") + ": forward branches on self.training across a "
+                         "cut; move the cut, or build the stages with Pipe.from_factories")
+
+
+def wants_capture(module: nn.Module, split_points: Sequence[str] | None) -> bool:
+    """Whether ``Pipe`` captures ``module``: split points given, ``set_stage`` marks, or not a Sequential."""
+    return split_points is not None or not isinstance(module, nn.Sequential) or bool(stage_marks(module))
+
+
+def captured_stages(module: nn.Module) -> list[CapturedStage]:
+    return [m for m in module.modules() if isinstance(m, CapturedStage)]
+
+
+def counted_elsewhere(module: nn.Module) -> set[Tensor]:
+    """The tied copies in ``module`` whose gradient norm another stage counts (each tied parameter
+    counts once in ``clip_grad_norm_``)."""
+    return {stage.graph.get_parameter(name) for stage in captured_stages(module) for name in stage.counted_elsewhere}
