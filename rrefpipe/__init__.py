@@ -1,4 +1,5 @@
 """rrefpipe: GPipe-style pipeline parallelism over ``torch.distributed.rpc`` stage workers."""
+from .capture import CaptureError, set_stage
 from .checkpoint import is_checkpointing, is_recomputing
 from .errors import StageError, WorkerError
 from .grad_scaler import GradScaler
@@ -9,5 +10,6 @@ from .stage import StageInfo
 from .trace import Event, format_events
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
-           "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef"]
+           "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
+           "CaptureError"]
 __version__ = "0.1.0"
