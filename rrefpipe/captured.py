@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .capture import CONSTANT, INPUT, CapturedModel, Source, TiedParameter, capture, stage_marks
+from .capture.model import TensorSpec
 from .checkpoint import is_recomputing
 from .skip.namespace import Namespace
 from .skip.skippable import Skippable, pop, stash
@@ -111,7 +112,7 @@ def plan_routes(captured: CapturedModel) -> list[StageRoutes]:
 
 
 def _is_constant_input(expected: object) -> bool:
-    return type(expected).__name__ != "_TensorSpec"  # capture fixed a non-tensor input's value
+    return not isinstance(expected, TensorSpec)  # capture fixed a non-tensor input's value
 
 
 class CapturedStage(Skippable):
@@ -119,12 +120,14 @@ class CapturedStage(Skippable):
     what later stages take. Its parameters and buffers are those of the train-mode graph, ``graph``
     (the eval-mode one shares them and is not registered, so each is listed once)."""
 
+    graph: fx.GraphModule
+
     def __init__(self, index: int, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, routes: StageRoutes,
                  namespace: Namespace, single_output: bool, counted_elsewhere: Sequence[str] = ()) -> None:
         super().__init__()
         self.index = index
         self.graph = train_graph
-        self.__dict__["eval_graph"] = eval_graph
+        self.__dict__["_eval_graph"] = eval_graph
         self.routes = routes
         self.single_output = single_output  # a lone tensor goes on as itself, not as a 1-tuple
         self.counted_elsewhere = frozenset(counted_elsewhere)  # tied copies another stage counts in norms
@@ -133,6 +136,11 @@ class CapturedStage(Skippable):
         self.isolate(namespace)
         self._written = sorted(_written_buffers(train_graph))
         self._device = _graph_device(train_graph)
+
+    @property
+    def eval_graph(self) -> fx.GraphModule:
+        graph: fx.GraphModule = self.__dict__["_eval_graph"]
+        return graph
 
     def forward(self, *values: Any) -> Any:
         if len(values) == 1 and isinstance(values[0], tuple):  # a tuple reaches a layer whole (Pipe's call rule)

@@ -128,7 +128,8 @@ class Pipe(nn.Module):
         self._captured: CapturedPipeModel | None = None
         if wants_capture(module, split_points):
             self._captured = self._capture(module, sample, split_points, balance, deferred_batch_norm, remote_output)
-            module, balance, sample = self._captured.layers, [1] * len(self._captured.captured.inputs), None
+            assert self._captured.layers is not None
+            module, balance, sample = self._captured.layers, [1] * len(self._captured.layers), None
         verify_module(module)
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,

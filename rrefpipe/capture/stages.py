@@ -1,0 +1,165 @@
+"""The stage modules and the routing table, read from ``split_module``'s root graph: each partition as a
+picklable ``fx.GraphModule`` holding the model's tensors under their names, and those names mapped to
+the model's state-dict keys, tied parameters found."""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._ops import HigherOrderOperator
+
+from .model import CONSTANT, INPUT, Source, TiedParameter
+
+__all__ = ["stages_and_routes", "state_keys", "has", "fetch"]
+
+
+def stages_and_routes(split: fx.GraphModule, graph_module: fx.GraphModule, training: bool
+                       ) -> tuple[list[fx.GraphModule], list[list[Source]], list[Source], list[object], set[Source]]:
+    """The stage modules and the routing table, read from ``split_module``'s root graph; the stage
+    outputs that are numbers."""
+    stages: list[fx.GraphModule] = []
+    inputs: list[list[Source]] = []
+    source_of: dict[fx.Node, Source] = {}
+    stage_index: dict[fx.Node, int] = {}
+    outputs: list[Source] = []
+    constants: list[object] = []
+    numbers: set[Source] = set()
+    placeholders = 0
+    for node in split.graph.nodes:
+        if node.op == "placeholder":
+            source_of[node] = Source(INPUT, placeholders)
+            placeholders += 1
+        elif node.op == "call_module":
+            sub = split.get_submodule(str(node.target))
+            assert isinstance(sub, fx.GraphModule)
+            numbers.update(Source(len(stages), k) for k in _number_outputs(sub))
+            stage, kept = _stage_module(sub, node.args, graph_module, len(stages))
+            stage.train(training)
+            stage_index[node] = len(stages)
+            inputs.append([source_of[a] for a in kept])
+            stages.append(stage)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, k = node.args
+            assert isinstance(producer, fx.Node) and isinstance(k, int)
+            source_of[node] = Source(stage_index[producer], k)
+        elif node.op == "output":
+            result = node.args[0]
+            for value in (result if isinstance(result, (tuple, list)) else [result]):
+                if isinstance(value, fx.Node):
+                    if value not in source_of:
+                        raise ValueError(f"the model returns {value.target!r}, a parameter or buffer itself: return "
+                                         "values computed from it (a stage output), or return it outside the pipe")
+                    outputs.append(source_of[value])
+                else:
+                    outputs.append(Source(CONSTANT, len(constants)))
+                    constants.append(value)
+    return stages, inputs, outputs, constants, numbers
+
+
+def _number_outputs(sub: fx.GraphModule) -> list[int]:
+    """The positions of a partition's outputs that export traced as numbers (``SymInt``), read before
+    the graph's metadata is dropped."""
+    (result,) = [n.args[0] for n in sub.graph.nodes if n.op == "output"]
+    values = result if isinstance(result, (tuple, list)) else [result]
+    return [k for k, v in enumerate(values)
+            if isinstance(v, fx.Node) and isinstance(v.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool,
+                                                                          int, float, bool))]
+
+
+def _stage_module(sub: torch.nn.Module, args: Iterable[object], graph_module: fx.GraphModule,
+                  j: int) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """One partition as a stage: the parameters and buffers ``split_module`` passes in as arguments
+    become attributes again, under the model's names; graph metadata (fake tensors) is dropped so that
+    the stage pickles. Returns the stage and the root-graph values it takes."""
+    assert isinstance(sub, fx.GraphModule)
+    graph = sub.graph
+    kept: list[fx.Node] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for placeholder, arg in zip(placeholders, args):
+        assert isinstance(arg, fx.Node)
+        if arg.op == "get_attr":
+            with graph.inserting_before(placeholder):
+                attribute = graph.create_node("get_attr", str(arg.target))  # not get_attr(): sub lacks it
+            placeholder.replace_all_uses_with(attribute)
+            graph.erase_node(placeholder)
+        else:
+            kept.append(arg)
+    attributes: dict[str, Any] = {}
+    for node in graph.nodes:
+        node.meta = {}
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            attributes[target] = fetch(sub, target) if has(sub, target) else fetch(graph_module, target)
+    stage = fx.GraphModule(attributes, graph, class_name=f"Stage{j}")
+    for part in stage.modules():
+        if isinstance(part, fx.GraphModule):
+            _call_regions_by_name(part)
+    return stage, kept
+
+
+def _higher_order(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``torch.ops.higher_order.<name>``: a region export keeps whole (``torch.no_grad()`` and
+    ``torch.autocast`` blocks, ``torch.cond``), as stages call it."""
+    return getattr(torch.ops.higher_order, name)(*args, **kwargs)
+
+
+class _StageTracer(fx.Tracer):
+    """The tracer fx runs on a stage's code to rebuild it from a pickle: it records ``_higher_order``
+    as one call. The default tracer would run the region's body outside its ``no_grad``/``autocast``
+    context and record only the body (silently wrong gradients and dtypes), or fail on ``torch.cond``."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=(_higher_order,))
+
+
+def _call_regions_by_name(module: fx.GraphModule) -> None:
+    """Call higher-order ops through ``_higher_order``, so that the module survives fx's pickling."""
+    changed = False
+    for node in module.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
+            node.args = (node.target.name(), *node.args)
+            node.target = _higher_order
+            changed = True
+    if changed:
+        module.recompile()
+    module._tracer_cls = _StageTracer  # export's own tracer class cannot be built again when unpickled
+
+
+def has(module: nn.Module, target: str) -> bool:
+    try:
+        fetch(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def fetch(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def state_keys(module: nn.Module, stages: Sequence[fx.GraphModule]
+                ) -> tuple[list[dict[str, tuple[str, ...]]], list[TiedParameter], list[str]]:
+    """Per stage, each tensor's original state-dict keys; the parameters several stages hold; the
+    original keys no stage holds. Tensors are matched by identity (the stages hold the model's own)."""
+    original = module.state_dict(keep_vars=True)
+    by_id: dict[int, tuple[str, ...]] = {}
+    for key, tensor in original.items():
+        by_id[id(tensor)] = (*by_id.get(id(tensor), ()), key)
+    by_name = {key: by_id[id(tensor)] for key, tensor in original.items()}  # should export ever copy a tensor
+    state_keys: list[dict[str, tuple[str, ...]]] = []
+    holders: dict[int, dict[int, str]] = {}
+    for j, stage in enumerate(stages):
+        named = [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]
+        state_keys.append({name: by_id.get(id(t)) or by_name.get(name, ()) for name, t in named})
+        for name, parameter in stage.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(parameter), {}).setdefault(j, name)
+    tied = [TiedParameter(by_id.get(i, ()), names) for i, names in holders.items() if len(names) > 1]
+    held = {key for keys in state_keys for ks in keys.values() for key in ks}
+    return state_keys, tied, [key for key in original if key not in held]
