@@ -161,8 +161,8 @@ class CapturedStage(Skippable):
         with self._buffers_kept() if self.training and is_recomputing() else contextlib.nullcontext():
             outputs = graph(*args)
         for ref, name in routes.stashes:
-            yield stash(name, _as_tensor(_resolve(ref, values, popped, outputs)))
-        sent = tuple(_as_tensor(_resolve(ref, values, popped, outputs)) for ref in routes.sends)
+            yield stash(name, _as_tensor(_resolve(ref, values, popped, outputs), self._device))
+        sent = tuple(_as_tensor(_resolve(ref, values, popped, outputs), self._device) for ref in routes.sends)
         if not sent:  # the next stage takes nothing from this one: it still follows it
             return torch.zeros((), device=self._device)
         return sent[0] if self.single_output and len(sent) == 1 else sent
@@ -189,13 +189,15 @@ class CapturedStage(Skippable):
             self._device = here
 
     def _apply(self, fn: Any, recurse: bool = True) -> CapturedStage:
-        """``.to()`` may replace buffers with new tensors: the eval graph takes the train graph's again."""
+        """``.to()`` may replace parameters and buffers with new tensors (a move to another kind of device,
+        any buffer): the eval graph takes the train graph's again."""
         super()._apply(fn, recurse)
-        for name, buffer in self.graph.named_buffers():
-            owner, _, attribute = name.rpartition(".")
-            target = self.eval_graph.get_submodule(owner) if owner else self.eval_graph
-            if attribute in target._buffers:
-                target._buffers[attribute] = buffer
+        for kind, named in (("_parameters", self.graph.named_parameters), ("_buffers", self.graph.named_buffers)):
+            for name, tensor in named(remove_duplicate=False):
+                owner, _, attribute = name.rpartition(".")
+                slots = getattr(self.eval_graph.get_submodule(owner) if owner else self.eval_graph, kind)
+                if attribute in slots:
+                    slots[attribute] = tensor
         return self
 
     def extra_repr(self) -> str:
@@ -212,8 +214,8 @@ def _resolve(ref: Ref, values: Sequence[Any], popped: Mapping[str, Any], outputs
     return ref.what
 
 
-def _as_tensor(value: Any) -> Tensor:
-    return value if isinstance(value, Tensor) else torch.tensor(value)
+def _as_tensor(value: Any, device: torch.device) -> Tensor:
+    return value if isinstance(value, Tensor) else torch.tensor(value, device=device)
 
 
 def _graphs(graph: fx.GraphModule) -> Iterator[fx.GraphModule]:
@@ -312,6 +314,7 @@ class CapturedPipeModel:
     tied: list[TiedParameter]
     state_keys: list[dict[str, tuple[str, ...]]]
     unused: dict[str, Tensor]
+    key_order: list[str] = field(default_factory=list)  # the model's state_dict order
 
     @classmethod
     def build(cls, module: nn.Module, sample: Any, split_points: Sequence[str] | None) -> CapturedPipeModel:
@@ -340,7 +343,7 @@ class CapturedPipeModel:
             for j in range(train.num_stages)))
         state = module.state_dict()
         unused = {key: state[key].detach().clone() for key in train.unused_keys}
-        result = cls(layers, train, outputs, train.tied, train.state_keys, unused)
+        result = cls(layers, train, outputs, train.tied, train.state_keys, unused, list(state))
         train.stages = []  # the driver keeps no stage: the layers go to the workers
         return result
 
@@ -362,12 +365,8 @@ class CapturedPipeModel:
                     if value is not None and key not in state:
                         state[key] = value
         state.update(self.unused)
-        return dict(sorted(state.items(), key=lambda item: self._order.get(item[0], len(self._order))))
-
-    @property
-    def _order(self) -> dict[str, int]:
-        keys = [key for names in self.state_keys for ks in names.values() for key in ks] + list(self.unused)
-        return {key: k for k, key in enumerate(dict.fromkeys(keys))}
+        order = {key: k for k, key in enumerate(self.key_order)}
+        return dict(sorted(state.items(), key=lambda item: order.get(item[0], len(order))))
 
     def stage_state(self, state: Mapping[str, Any], prefix: str) -> tuple[dict[str, Any], list[str], list[str]]:
         """The stages' state dict (``'<j>.graph.<name>'`` keys) from one under the model's keys, every copy
@@ -390,10 +389,11 @@ class CapturedPipeModel:
 
 
 def _check_same_routes(train: CapturedModel, evaluate: CapturedModel) -> None:
-    """Both modes' graphs must take and give the same values at every cut: one routing serves both."""
+    """Both modes' graphs must take and give the same values at every cut: one routing serves both. The
+    eval graph may use fewer tensors (batch norm counts its batches in training only)."""
     same = (train.inputs == evaluate.inputs and train.outputs == evaluate.outputs
             and train.numbers == evaluate.numbers
-            and [set(k) for k in train.state_keys] == [set(k) for k in evaluate.state_keys])
+            and all(set(e) <= set(t) for t, e in zip(train.state_keys, evaluate.state_keys)))
     if not same:
         where = next((j for j, (a, b) in enumerate(zip(train.inputs, evaluate.inputs)) if a != b), None)
         raise ValueError("the model's train-mode and eval-mode graphs differ in what crosses the cuts"

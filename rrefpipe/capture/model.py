@@ -87,7 +87,7 @@ class CapturedModel:
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        return len(self.inputs)  # (a runtime may drop the stages once it has placed them)
 
     def consumers(self, source: Source) -> list[int]:
         """The stages that take ``source`` as an input, in order (the model's output is not counted)."""
