@@ -123,9 +123,11 @@ class CapturedStage(Skippable):
     graph: fx.GraphModule
 
     def __init__(self, index: int, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, routes: StageRoutes,
-                 namespace: Namespace, single_output: bool, counted_elsewhere: Sequence[str] = ()) -> None:
+                 namespace: Namespace, single_output: bool, counted_elsewhere: Sequence[str] = (),
+                 parts: Sequence[str] = ()) -> None:
         super().__init__()
         self.index = index
+        self.description = f"CapturedStage({', '.join(parts)})"  # what ``pipe.stages`` lists
         self.graph = train_graph
         self.__dict__["_eval_graph"] = eval_graph
         self.routes = routes
@@ -339,7 +341,8 @@ class CapturedPipeModel:
         layers = nn.Sequential(*(
             CapturedStage(j, train.stages[j], evaluate.stages[j], routes[j], namespace,
                           single_output=j < train.num_stages - 1 or outputs.single,
-                          counted_elsewhere=[t.names[j] for t in train.tied if j in t.names and j != min(t.names)])
+                          counted_elsewhere=[t.names[j] for t in train.tied if j in t.names and j != min(t.names)],
+                          parts=_parts(train.state_keys[j], list(module.state_dict())))
             for j in range(train.num_stages)))
         state = module.state_dict()
         unused = {key: state[key].detach().clone() for key in train.unused_keys}
@@ -386,6 +389,24 @@ class CapturedPipeModel:
         missing = [prefix + key for key in sorted(expected) if prefix + key not in state]
         unexpected = [key for key in ours if key[len(prefix):] not in expected]
         return parts, missing, unexpected
+
+
+def _parts(names: Mapping[str, tuple[str, ...]], keys: Sequence[str]) -> list[str]:
+    """The model's submodules a stage holds whole, outermost first (``['tok', 'pos', 'blocks.0']``): for each
+    of its keys, the shortest module path all of whose keys the stage holds."""
+    held = {key for ks in names.values() for key in ks}
+    parts: list[str] = []
+    for key in keys:
+        if key not in held:
+            continue
+        atoms = key.split(".")[:-1]
+        for depth in range(1, len(atoms) + 1):
+            prefix = ".".join(atoms[:depth]) + "."
+            if all(k in held for k in keys if k.startswith(prefix)):
+                if prefix[:-1] not in parts:
+                    parts.append(prefix[:-1])
+                break
+    return parts
 
 
 def _check_same_routes(train: CapturedModel, evaluate: CapturedModel) -> None:

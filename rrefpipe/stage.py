@@ -113,7 +113,8 @@ class Stage:
         self._checkpoints: dict[int, list[weakref.ref[Recomputable]]] = {}
 
     def info(self) -> StageInfo:
-        names = tuple(f"{name}: {type(layer).__name__}" for name, layer in self.module.named_children())
+        names = tuple(f"{name}: {getattr(layer, 'description', type(layer).__name__)}"  # (a captured stage's parts)
+                      for name, layer in self.module.named_children())
         count = sum(p.numel() for p in self.module.parameters())
         crossing = list(crossing_skips(self.module))  # a skip kept inside one layer needs no route
         stashes = tuple(key for _, stashed, _ in crossing for key in stashed)
