@@ -424,8 +424,9 @@ def _check_same_routes(train: CapturedModel, evaluate: CapturedModel) -> None:
 
 
 def wants_capture(module: nn.Module, split_points: Sequence[str] | None) -> bool:
-    """Whether ``Pipe`` captures ``module``: split points given, ``set_stage`` marks, or not a Sequential."""
-    return split_points is not None or not isinstance(module, nn.Sequential) or bool(stage_marks(module))
+    """Whether ``Pipe`` captures ``module``: split points given, or ``set_stage`` marks on it. (Any other
+    module must be an ``nn.Sequential``, which ``Pipe`` cuts between its layers.)"""
+    return split_points is not None or (isinstance(module, nn.Module) and bool(stage_marks(module)))
 
 
 def captured_stages(module: nn.Module) -> list[CapturedStage]:
