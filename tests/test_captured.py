@@ -6,6 +6,7 @@ the stage's. The multi-process tests are in tests/distributed/test_any_model.py.
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -128,3 +129,32 @@ def test_the_state_dict_has_the_models_keys_and_loads_back(gpt3):
     assert not missing and not unexpected
     assert {k.split(".graph.")[1] for k in parts} >= {"head.weight"}
     assert sum(1 for k in parts if k.endswith("head.weight")) == 2  # both copies of the tied weight
+
+
+class _CountsBatches(nn.Module):
+    """A buffer's ``add_`` (batch norm's batch count) and a constant made in forward (``torch.arange``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.bn(self.a(x)) + torch.arange(4.0))
+
+
+def test_a_stage_pickles_as_its_graph_not_its_code():
+    """fx's own pickling traces the generated code again, which would run ``num_batches_tracked.add_(1)``
+    and ``torch.arange`` once and keep their results: the count stuck at 1, constants in the state dict."""
+    captured = CapturedPipeModel.build(_CountsBatches(), torch.randn(4, 4), ["b"])
+    assert captured.layers is not None
+    stage = captured.layers[0]
+    copy_ = pickle.loads(pickle.dumps(stage))
+    assert copy_.graph.code == stage.graph.code and copy_.eval_graph.code == stage.eval_graph.code
+    assert list(copy_.state_dict()) == list(stage.state_dict())
+    assert copy_.graph.get_parameter("a.weight") is copy_.eval_graph.get_parameter("a.weight")  # still shared
+    for _ in range(3):
+        copy_(torch.randn(4, 4))
+    assert copy_.graph.get_buffer("bn.num_batches_tracked").item() == 3
+    copy_.eval()
+    copy_(torch.randn(4, 4))
+    assert copy_.graph.get_buffer("bn.num_batches_tracked").item() == 3

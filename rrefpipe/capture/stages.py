@@ -13,6 +13,7 @@ from torch import nn
 from torch._ops import HigherOrderOperator
 
 from .model import CONSTANT, INPUT, Source, TiedParameter
+from .pickling import StageGraph
 
 __all__ = ["stages_and_routes", "state_keys", "has", "fetch"]
 
@@ -94,11 +95,24 @@ def _stage_module(sub: torch.nn.Module, args: Iterable[object], graph_module: fx
         if node.op in ("get_attr", "call_module"):
             target = str(node.target)
             attributes[target] = fetch(sub, target) if has(sub, target) else fetch(graph_module, target)
-    stage = fx.GraphModule(attributes, graph, class_name=f"Stage{j}")
-    for part in stage.modules():
-        if isinstance(part, fx.GraphModule):
-            _call_regions_by_name(part)
-    return stage, kept
+    return _stage_graph(attributes, graph, f"Stage{j}", graph_module), kept
+
+
+def _stage_graph(attributes: dict[str, Any], graph: fx.Graph, name: str, owner: fx.GraphModule) -> StageGraph:
+    """A :class:`StageGraph` of ``graph`` reading ``attributes``; the bodies of the regions it calls become
+    StageGraphs too. Tensors ``owner`` (the exported model) leaves out of its state dict stay out."""
+    persistent = set(owner.state_dict(keep_vars=True))
+    for target, value in attributes.items():
+        if isinstance(value, fx.GraphModule):  # a region's body (``no_grad``, ``autocast``, ``cond``)
+            body = {str(n.target): fetch(value, str(n.target)) for n in value.graph.nodes
+                    if n.op in ("get_attr", "call_module")}
+            for node in value.graph.nodes:
+                node.meta = {}
+            attributes[target] = _stage_graph(body, value.graph, type(value).__name__, owner)
+    transient = frozenset(t for t, v in attributes.items() if isinstance(v, torch.Tensor) and t not in persistent)
+    stage = StageGraph(attributes, graph, name, transient)
+    _call_regions_by_name(stage)
+    return stage
 
 
 def _higher_order(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -107,17 +121,8 @@ def _higher_order(name: str, *args: Any, **kwargs: Any) -> Any:
     return getattr(torch.ops.higher_order, name)(*args, **kwargs)
 
 
-class _StageTracer(fx.Tracer):
-    """The tracer fx runs on a stage's code to rebuild it from a pickle: it records ``_higher_order``
-    as one call. The default tracer would run the region's body outside its ``no_grad``/``autocast``
-    context and record only the body (silently wrong gradients and dtypes), or fail on ``torch.cond``."""
-
-    def __init__(self) -> None:
-        super().__init__(autowrap_functions=(_higher_order,))
-
-
 def _call_regions_by_name(module: fx.GraphModule) -> None:
-    """Call higher-order ops through ``_higher_order``, so that the module survives fx's pickling."""
+    """Call higher-order ops through ``_higher_order`` and their name, which pickle by reference."""
     changed = False
     for node in module.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
@@ -126,7 +131,6 @@ def _call_regions_by_name(module: fx.GraphModule) -> None:
             changed = True
     if changed:
         module.recompile()
-    module._tracer_cls = _StageTracer  # export's own tracer class cannot be built again when unpickled
 
 
 def has(module: nn.Module, target: str) -> bool:
