@@ -284,6 +284,17 @@ class Outputs:
         tuple_of_leaves = self.spec.type is tuple and all(c.is_leaf() for c in _children(self.spec))
         self.plain = self.single or (tuple_of_leaves and leaves_only and k > 0)  # the stage's value is the output
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The structure travels as a skeleton (the output with its leaves numbered): torch's ``TreeSpec``
+        warns when it is unpickled (a FutureWarning of its own making, on every ``train_step``)."""
+        state = dict(self.__dict__)
+        state["spec"] = pytree.tree_unflatten(list(range(self.spec.num_leaves)), self.spec)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["spec"] = pytree.tree_flatten(state["spec"])[1]
+        self.__dict__.update(state)
+
     def rebuild(self, value: Any) -> Any:
         if self.plain:
             return value

@@ -39,8 +39,8 @@ _releasing = threading.Lock()
 
 
 class Pipe(nn.Module):
-    """Wrap an ``nn.Sequential`` for synchronous pipeline-parallel training over RPC workers (GPipe, 1F1B
-    or interleaved 1F1B schedules).
+    """Wrap an ``nn.Sequential``, or any ``nn.Module`` cut at ``split_points``, for synchronous
+    pipeline-parallel training over RPC workers (GPipe, 1F1B or interleaved 1F1B schedules).
 
     Each stage runs on its own RPC worker process with its partition on its device; micro-batches
     pass worker to worker. Where the stages run:
@@ -57,7 +57,9 @@ class Pipe(nn.Module):
     (read, not drawn from) and the stage index: seeded runs repeat, and stages draw different numbers.
 
     Args:
-        module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device.
+        module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device. Any other
+            module (or one with :func:`~rrefpipe.set_stage` marks) is captured with ``torch.export`` on
+            ``sample`` and cut at ``split_points`` (see the guide's "Any model").
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
             their forward for backward instead of keeping activations. CPU stages before the last
@@ -71,7 +73,10 @@ class Pipe(nn.Module):
             ``workers`` when it names several. ``'time'``
             or ``'size'``: profile the layers on ``sample`` (:mod:`rrefpipe.balance`), one stage per
             entry of ``devices`` (else of ``workers``), before any worker starts.
-        sample: an example mini-batch for ``balance='time' | 'size'`` (split into ``chunks`` as in training).
+        sample: an example mini-batch for ``balance='time' | 'size'`` (split into ``chunks`` as in training);
+            with ``split_points`` or marks, the forward's positional arguments (a tensor or a tuple) the
+            model is captured on: tensors with a batch dim 0 of 2 or more, which becomes dynamic (other
+            dims and non-tensor arguments are fixed to the sample's).
         workers: names of existing RPC workers, one per stage.
         devices: device per stage (``"cpu"``, ``"cuda:1"``); by default where the layers are.
         remote_output: keep the output on the last stage's worker; ``forward`` then returns a
@@ -94,9 +99,17 @@ class Pipe(nn.Module):
             ``pipe.backward`` always runs GPipe's order.
         stages_per_worker: stages on each worker, for ``'Interleaved1F1B'``: stage j runs on worker
             j mod (stages / stages_per_worker), and that many workers start (or are named in ``workers``).
+        split_points: submodule paths (``named_modules()``'s, such as ``'blocks.2'``) in forward order: a
+            stage begins at the first operation of each. ``pipe(*args)`` then takes the model's positional
+            arguments and gives its output as it is (a tuple, dict or ``ModelOutput``); ``state_dict()``
+            has the model's keys. A parameter several stages use (an embedding tied to the output head)
+            has a copy on each, whose gradients ``pipe.backward`` and ``train_step`` sum.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or its skippable layers do not match
+        CaptureError: ``torch.export`` cannot capture the module (names the submodule, torch's reason and
+            what to do); before any worker starts, as are the errors of split points and marks.
+        TypeError: ``module`` is not an ``nn.Sequential`` and has no split points or marks, or its
+            skippable layers do not match
             (:func:`~rrefpipe.skip.verify_skippables`).
         ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``; an unknown
             ``schedule``, a ``stages_per_worker`` that does not divide the stages, or ``chunks`` that the
@@ -107,7 +120,7 @@ class Pipe(nn.Module):
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Module,
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
@@ -131,6 +144,7 @@ class Pipe(nn.Module):
             assert self._captured.layers is not None
             module, balance, sample = self._captured.layers, [1] * len(self._captured.layers), None
         verify_module(module)
+        assert isinstance(module, nn.Sequential)  # (verify_module raised otherwise; for mypy)
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
                         schedule, stages_per_worker)

@@ -66,8 +66,10 @@ def capture(module: nn.Module, args: tuple[object, ...] | Tensor, kwargs: Mappin
     Args:
         module: any ``nn.Module`` whose ``forward`` ``torch.export`` can capture. It is not changed; the
             stages hold its own parameter and buffer tensors (no copy).
-        args, kwargs: a sample call. Every tensor is split along dim 0 into micro-batches: the sample's
-            tensors must share a dim 0 of at least 2 (export takes a size of 1 for a constant).
+        args: the sample call's positional arguments (a tensor alone is ``(tensor,)``). Every tensor is
+            split along dim 0 into micro-batches: the sample's tensors must share a dim 0 of at least 2
+            (export takes a size of 1 for a constant).
+        kwargs: the sample call's keyword arguments, alike.
         split_points: submodule paths as ``named_modules()`` gives them, in forward order; a new stage
             begins at the first operation of each (a container ``forward`` never calls, such as a
             ``ModuleList``, begins at its first child that runs). Without them, ``set_stage`` marks on

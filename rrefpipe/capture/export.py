@@ -2,7 +2,11 @@
 as :class:`~rrefpipe.capture.model.CaptureError` naming the submodule, torch's reason and what to do."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -51,13 +55,29 @@ def export(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object
     dynamic = {name: pytree.tree_map(lambda v: {0: Dim.DYNAMIC} if isinstance(v, Tensor) else None, value)
                for name, value in bound.arguments.items()}
     try:
-        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
+        with _quiet_failures():
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
     except Exception as e:
         where = _culprit(module, e)
         place = f"in {type(module).__name__}.forward" if not where else f"in submodule {where!r}"
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:400].rstrip(".")
         raise CaptureError(f"torch.export cannot capture {type(module).__name__} ({place}): {type(e).__name__}: "
                            f"{reason}. {_what_to_do(e)}") from e
+
+
+@contextlib.contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """A failed export prints its partial graph to stderr (twice) and logs a warning about the symbol it
+    could not place, some 30 lines before the error says what happened: the CaptureError names the
+    submodule instead, and the partial graph stays on torch's error (``err.__cause__.partial_fx_graph``)."""
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        shapes.setLevel(level)
 
 
 def _culprit(module: nn.Module, error: BaseException) -> str | None:
