@@ -68,9 +68,12 @@ class StageGraph(fx.GraphModule):
         transient = frozenset(name for name, _ in self.named_buffers() if name not in persistent)
         records = [_Record(n.op, n.name, _Op(n.target.namespace, n.target._opname, n.target._overloadname)
                            if isinstance(n.target, OpOverload) else n.target,
-                           fx.node.map_arg(n.args, lambda a: _Ref(a.name)),
-                           fx.node.map_arg(n.kwargs, lambda a: _Ref(a.name))) for n in self.graph.nodes]
+                           fx.node.map_arg(n.args, _ref), fx.node.map_arg(n.kwargs, _ref)) for n in self.graph.nodes]
         return _rebuild, (attributes, records, type(self).__name__, transient, self.training)
+
+
+def _ref(node: fx.Node) -> Any:  # (an argument of fx's own type to map_arg)
+    return _Ref(node.name)
 
 
 def _rebuild(attributes: dict[str, Any], records: list[_Record], class_name: str, transient: frozenset[str],
