@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .stages import fetch, has
+from .pickling import fetch, has
 
 __all__ = ["set_stage", "stage_marks", "checked_points", "regions_of", "stages_at_points", "stages_from_marks",
            "check_calls_within_stages", "listing"]

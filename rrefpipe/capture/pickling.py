@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 from torch._ops import OpOverload
 
-__all__ = ["StageGraph"]
+__all__ = ["StageGraph", "fetch", "has"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class StageGraph(fx.GraphModule):
                 module._non_persistent_buffers_set.add(attribute)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        attributes = {str(n.target): _fetch(self, str(n.target)) for n in self.graph.nodes
+        attributes = {str(n.target): fetch(self, str(n.target)) for n in self.graph.nodes
                       if n.op in ("get_attr", "call_module")}
         persistent = set(self.state_dict(keep_vars=True))
         transient = frozenset(name for name, _ in self.named_buffers() if name not in persistent)
@@ -93,7 +93,17 @@ def _rebuild(attributes: dict[str, Any], records: list[_Record], class_name: str
     return module
 
 
-def _fetch(module: nn.Module, target: str) -> Any:
+def has(module: nn.Module, target: str) -> bool:
+    """Whether ``module`` has the attribute at the dotted path ``target``."""
+    try:
+        fetch(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def fetch(module: nn.Module, target: str) -> Any:
+    """The attribute at the dotted path ``target`` of ``module`` (a submodule, parameter, buffer or tensor)."""
     value: Any = module
     for atom in target.split("."):
         value = getattr(value, atom)

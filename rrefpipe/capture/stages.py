@@ -13,9 +13,9 @@ from torch import nn
 from torch._ops import HigherOrderOperator
 
 from .model import CONSTANT, INPUT, Source, TiedParameter
-from .pickling import StageGraph
+from .pickling import StageGraph, fetch, has
 
-__all__ = ["stages_and_routes", "state_keys", "has", "fetch"]
+__all__ = ["stages_and_routes", "state_keys"]
 
 
 def stages_and_routes(split: fx.GraphModule, graph_module: fx.GraphModule, training: bool
@@ -131,21 +131,6 @@ def _call_regions_by_name(module: fx.GraphModule) -> None:
             changed = True
     if changed:
         module.recompile()
-
-
-def has(module: nn.Module, target: str) -> bool:
-    try:
-        fetch(module, target)
-    except AttributeError:
-        return False
-    return True
-
-
-def fetch(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
 
 
 def state_keys(module: nn.Module, stages: Sequence[fx.GraphModule]
