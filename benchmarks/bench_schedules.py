@@ -75,15 +75,15 @@ from torch import Tensor, nn
 
 import suite_pipelining
 from bench_core import ideal_step_ms, loadavg, machine_info, stage_compute, stage_tick_ms, summary
-from bench_suite import add_ideal, log, pipelining_row, pooled, run_and_report  # (registers suite_models
-# for pickling by value: the stage workers get the models' classes)
+# (bench_suite registers suite_models for pickling by value: the stage workers get the models' classes)
+from bench_suite import add_ideal, add_run_args, log, new_parser, pipelining_row, pooled, run_and_report
 from suite_models import SPECS, ModelSpec, split
 from suite_pipelining import LR, PipeliningGroup, timed_steps
 from suite_pipelining import _time_steps as suite_time_steps
 from suite_record import proc_delta, proc_stat
 from suite_report import cpu_total_ms, sps
 from suite_rrefpipe import time_pipe
-from suite_targets import geometric_mean, work_ratio
+from suite_targets import geometric_mean, print_targets, work_ratio
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedules.json"
 CHUNKS = (4, 8, 16, 32)
@@ -625,18 +625,13 @@ def report(result: dict[str, Any], out: Path) -> None:
               "apart: disturbed); load = 1-min load average before the row")
     print_interleaved(result["interleaved"])
     print_memory(result["memory"])
-    print("\ntargets (issue #41), from this run:")
-    for t in result["targets"]:
-        status = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
-        print(f"  [{status:>7}] {t['target']}: {t['detail']}")
+    print_targets(result["targets"], "#41")
     print(f"\nwrote {out} ({result['wall_s']:.0f} s); load average at start {result['loadavg_start']}, at end "
           f"{result['loadavg_end']}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0],
-                                epilog="The module docstring says exactly what is measured.")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output")
+    p = new_parser(__doc__, DEFAULT_OUT)
     p.add_argument("--quick", action="store_true",
                    help="smoke run (< 60 s): the tiny model, 2 stages, m = 8 (interleaved m = 4), 1 round")
     p.add_argument("--models", nargs="*", choices=list(SPECS), default=["mlp", "resnet", "transformer"],
@@ -658,10 +653,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=4, help="timed steps per contestant and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per cell (the median is over all their steps)")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
-    p.add_argument("--wait-load", type=float, default=0.0,
-                   help="before starting, wait while the 1-min load average is >= this (0: don't wait)")
-    p.add_argument("--wait-max", type=float, default=600.0, help="longest wait for --wait-load, seconds")
-    p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: reprint a saved run")
+    add_run_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.stages, args.chunks, args.il_models, args.il_chunks = ["tiny"], [2], [8], ["tiny"], [4]

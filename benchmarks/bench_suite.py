@@ -293,9 +293,7 @@ def wait_for_quiet(limit: float, max_wait: float) -> list[float] | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0],
-                                epilog="The module docstring says exactly what is measured.")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output; the chart goes next to it as .png")
+    p = new_parser(__doc__, DEFAULT_OUT, "JSON output; the chart goes next to it as .png")
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 stages, chunks 2 8, few repeats")
     p.add_argument("--models", nargs="+", choices=list(SPECS), default=list(DEFAULT_MODELS),
                    help="models to run ('tiny', next to no compute, shows each framework's cost per micro-batch)")
@@ -329,11 +327,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hop-sizes", nargs="*", choices=list(SIZES), default=list(SIZES),
                    help="stage-hop tensor sizes (bench_core; none: skip)")
     p.add_argument("--hop-repeats", type=int, default=30, help="timed rounds per hop size (half for 16MB)")
-    p.add_argument("--wait-load", type=float, default=0.0,
-                   help="before starting, wait while the 1-min load average is >= this (0: don't wait)")
-    p.add_argument("--wait-max", type=float, default=600.0, help="longest wait for --wait-load, seconds")
-    p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print the tables and targets of a "
-                   "saved run and redraw its chart")
+    add_run_args(p, "measure nothing: print the tables and targets of a saved run and redraw its chart")
     args = p.parse_args(argv)
     if args.quick:
         args.stages, args.chunks = [2], [2, 8]
@@ -347,6 +341,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.chunks = sorted(set(args.chunks))
     args.contestants = [key for key in CONTESTANTS if key in args.contestants]
     return args
+
+
+def new_parser(doc: str | None, out: Path, out_help: str = "JSON output") -> argparse.ArgumentParser:
+    """A benchmark's parser: its description the docstring's first line, and ``--out``."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n", 1)[0],
+                                epilog="The module docstring says exactly what is measured.")
+    p.add_argument("--out", type=Path, default=out, help=out_help)
+    return p
+
+
+def add_run_args(p: argparse.ArgumentParser, report: str = "measure nothing: reprint a saved run") -> None:
+    """The options :func:`run_and_report` reads: ``--wait-load``, ``--wait-max``, ``--report``."""
+    p.add_argument("--wait-load", type=float, default=0.0,
+                   help="before starting, wait while the 1-min load average is >= this (0: don't wait)")
+    p.add_argument("--wait-max", type=float, default=600.0, help="longest wait for --wait-load, seconds")
+    p.add_argument("--report", type=Path, metavar="JSON", help=report)
 
 
 def report(result: dict[str, Any], out: Path) -> None:

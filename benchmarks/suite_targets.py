@@ -292,8 +292,8 @@ def evaluate(result: dict[str, Any]) -> list[Target]:
             ideal_vs_pipelining(result), memory_inputs(result), recompute_cost(result), linear_scaling(result)]
 
 
-def print_targets(targets: list[Target]) -> None:
-    print("\ntargets (issue #5), from this run:")
+def print_targets(targets: list[Target], issue: str = "#5") -> None:
+    print(f"\ntargets (issue {issue}), from this run:")
     for t in targets:
         status = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
         print(f"  [{status:>7}] {t['target']}: {t['detail']}")

@@ -20,15 +20,21 @@ from bench_schedules import (  # noqa: E402  (the benchmarks are scripts, not a 
     undisturbed)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
-def test_quick_run_writes_every_row(tmp_path: Path) -> None:
-    out = tmp_path / "schedules.json"
-    run = subprocess.run([sys.executable, "bench_schedules.py", "--quick", "--out", str(out)], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=230)
+def quick_run(script: str, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``benchmarks/<script> --quick`` in a subprocess: what it printed, and the JSON it wrote."""
+    out = tmp_path / "result.json"
+    run = subprocess.run([sys.executable, script, "--quick", "--out", str(out)], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] is True
+    return run, result
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
+def test_quick_run_writes_every_row(tmp_path: Path) -> None:
+    run, result = quick_run("bench_schedules.py", tmp_path, 230)
     assert "targets (issue #41)" in run.stdout
 
     (speed,) = result["speed"]
