@@ -166,8 +166,8 @@ class RemoteDriver:
         for tie in self.tied:
             for j, name in tie.items():
                 names.setdefault(j, []).append(name)
-        got = {j: dict(zip(ns, self._call(j, control.tied_gradients, self.pipe_id, j, context_id, ns)))
-               for j, ns in names.items()}
+        fetched = self._call_each(control.tied_gradients, {j: (context_id, ns) for j, ns in names.items()})
+        got = {j: dict(zip(names[j], grads)) for j, grads in fetched.items()}
         totals: dict[int, dict[str, Tensor]] = {}
         for tie in self.tied:
             grads = [got[j][name] for j, name in tie.items() if got[j][name] is not None]
@@ -175,8 +175,8 @@ class RemoteDriver:
                 total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0]
                 for j, name in tie.items():
                     totals.setdefault(j, {})[name] = total
-        for j, by_name in totals.items():
-            self._call(j, control.set_tied_gradients, self.pipe_id, j, context_id, list(by_name), list(by_name.values()))
+        self._call_each(control.set_tied_gradients,
+                        {j: (context_id, list(by_name), list(by_name.values())) for j, by_name in totals.items()})
 
     def _summary(self) -> list[str]:
         """What must be the same on every replica: each stage's layers and device, and the settings."""
@@ -233,23 +233,27 @@ class RemoteDriver:
     def _call_all(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(pipe_id, j, *args)`` on every stage j, sent to all at once (a round trip each would add up
         per stage); a failure names the first stage, in stage order, that failed."""
+        return list(self._call_each(fn, {j: args for j in range(len(self.infos))}).values())
+
+    def _call_each(self, fn: Any, args: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
+        """``fn(pipe_id, j, *args[j])`` on each stage j of ``args``, sent to all at once, as ``_call_all``."""
         self._check_open()
-        sent: list[Future[Any] | Exception] = []
-        for j in range(len(self.infos)):
+        sent: dict[int, Future[Any] | Exception] = {}
+        for j, more in args.items():
             try:
-                sent.append(rpc.rpc_async(self.workers[j], control.reporting, args=(fn, self.pipe_id, j, *args),
-                                          timeout=self.rpc_timeout))
+                sent[j] = rpc.rpc_async(self.workers[j], control.reporting, args=(fn, self.pipe_id, j, *more),
+                                        timeout=self.rpc_timeout)
             except Exception as exc:  # refused before it left (a worker known to be gone)
-                sent.append(exc)
-        results = []
-        for j, call in enumerate(sent):
+                sent[j] = exc
+        results = {}
+        for j, call in sent.items():
             if isinstance(call, Exception):
                 raise self._control_failure(j, fn, call) from call
             try:
                 result = _rpc.wait(call)
             except Exception as exc:
                 raise self._control_failure(j, fn, exc) from exc
-            results.append(_raised_if_failed(j, result))
+            results[j] = _raised_if_failed(j, result)
         return results
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
