@@ -19,9 +19,11 @@ def verify_module(module: object) -> None:
     """Pipe wraps an ``nn.Sequential`` whose children are distinct modules (an empty one too, as PyTorch's did)."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"Pipe expects an nn.Sequential module, got {type(module).__name__} (module must be "
-                        "nn.Sequential to be partitioned): wrap the layers in order, Pipe(nn.Sequential(a, b, c)); or "
-                        "name where stages begin, Pipe(model, chunks, split_points=['blocks.2'], sample=x), or mark "
-                        "submodules with rrefpipe.set_stage(model.blocks[2], 1), and torch.export cuts the model there")
+                        "nn.Sequential to be partitioned): wrap the layers in order, Pipe(nn.Sequential(a, b, c)), or "
+                        "list the children of a model whose forward runs them one after another, "
+                        "Pipe(nn.Sequential(*model.children())); for any other model, name where stages begin, "
+                        "Pipe(model, chunks, split_points=['blocks.2'], sample=x), or mark submodules with "
+                        "rrefpipe.set_stage(model.blocks[2], 1), and torch.export cuts the model there")
     seen: dict[int, str] = {}
     for name, child in module._modules.items():  # named_children() would hide the duplicates
         if id(child) in seen:

@@ -262,6 +262,7 @@ class Pipe(nn.Module):
             raise TypeError("from_factories expects a non-empty list of callables, one per stage")
         pipe = cls.__new__(cls)
         nn.Module.__init__(pipe)
+        pipe._captured = None
         pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
                         schedule, stages_per_worker)
         stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
