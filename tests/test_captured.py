@@ -158,3 +158,20 @@ def test_a_stage_pickles_as_its_graph_not_its_code():
     copy_.eval()
     copy_(torch.randn(4, 4))
     assert copy_.graph.get_buffer("bn.num_batches_tracked").item() == 3
+
+
+def test_a_dtype_conversion_reaches_both_graphs(gpt3):
+    """``pipe.double()`` converts a stage's tensors in place of the old ones: the eval graph must follow."""
+    model, captured, x = gpt3
+    layers = copy.deepcopy(captured.layers)
+    assert layers is not None
+    layers.double()
+    reference = copy.deepcopy(model).double()
+    for mode in (False, True):  # eval first: dropout 0.5 in training draws alike only under one seed
+        layers.train(mode)
+        reference.train(mode)
+        torch.manual_seed(3)
+        out = layers(x)
+        torch.manual_seed(3)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, reference(x))
