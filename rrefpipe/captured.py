@@ -33,15 +33,13 @@ from torch.utils import _pytree as pytree
 
 from .capture import CONSTANT, INPUT, CapturedModel, Source, TiedParameter, capture, stage_marks
 from .capture.model import TensorSpec
+from .capture.stages import graph_device, retarget, written_buffers
 from .checkpoint import is_recomputing
 from .skip.namespace import Namespace
 from .skip.skippable import Skippable, pop, stash
 
 __all__ = ["Ref", "StageRoutes", "plan_routes", "CapturedStage", "Outputs", "CapturedPipeModel", "wants_capture",
-           "captured_stages", "counted_elsewhere"]
-
-_NORMS_WITH_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
-
+           "captured_stages", "counted_elsewhere", "retarget"]
 
 class Ref(NamedTuple):
     """A value as a stage sees it: ``('input', k)`` the pipe's tensor input ``k`` (stage 0), ``('value', p)``
@@ -136,8 +134,8 @@ class CapturedStage(Skippable):
         self.stashable_names = frozenset(name for _, name in routes.stashes)  # type: ignore[misc]
         self.poppable_names = frozenset(routes.pops)  # type: ignore[misc]
         self.isolate(namespace)
-        self._written = sorted(_written_buffers(train_graph))
-        self._device = _graph_device(train_graph)
+        self._written = sorted(written_buffers(train_graph))
+        self._device = graph_device(train_graph)
 
     @property
     def eval_graph(self) -> fx.GraphModule:
@@ -218,51 +216,6 @@ def _resolve(ref: Ref, values: Sequence[Any], popped: Mapping[str, Any], outputs
 
 def _as_tensor(value: Any, device: torch.device) -> Tensor:
     return value if isinstance(value, Tensor) else torch.tensor(value, device=device)
-
-
-def _graphs(graph: fx.GraphModule) -> Iterator[fx.GraphModule]:
-    """``graph`` and the bodies of the regions it calls (``no_grad``, ``autocast``, ``cond``)."""
-    return (m for m in graph.modules() if isinstance(m, fx.GraphModule))
-
-
-def _written_buffers(graph: fx.GraphModule) -> set[str]:
-    """The buffers the graph writes: arguments an operation mutates, and batch norm's statistics."""
-    buffers = {name for name, _ in graph.named_buffers()}
-    written: set[str] = set()
-    for node in graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if node.target in _NORMS_WITH_STATISTICS:
-            candidates = list(node.args[3:5])
-        elif schema is not None and schema.is_mutable:
-            candidates = [a for a, s in zip(node.args, schema.arguments) if s.alias_info is not None
-                          and s.alias_info.is_write]
-        else:
-            continue
-        written.update(str(a.target) for a in candidates if isinstance(a, fx.Node) and a.op == "get_attr"
-                       and str(a.target) in buffers)
-    return written
-
-
-def _graph_device(graph: fx.GraphModule) -> torch.device:
-    tensor = next(iter([*graph.parameters(), *graph.buffers()]), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
-
-def retarget(graph: fx.GraphModule, old: torch.device, new: torch.device) -> None:
-    """Rewrite the device arguments ``old`` in ``graph`` (and its regions) to ``new``."""
-    def move(value: Any) -> Any:
-        return new if isinstance(value, torch.device) and value == old else value
-
-    for module in _graphs(graph):
-        changed = False
-        for node in module.graph.nodes:
-            args, kwargs = tuple(map(move, node.args)), {k: move(v) for k, v in node.kwargs.items()}
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
-        if changed:
-            module.recompile()
 
 
 class Outputs:

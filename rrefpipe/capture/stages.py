@@ -4,7 +4,7 @@ the model's state-dict keys, tied parameters found."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch._ops import HigherOrderOperator
 from .model import CONSTANT, INPUT, Source, TiedParameter
 from .pickling import StageGraph, fetch, has
 
-__all__ = ["stages_and_routes", "state_keys"]
+__all__ = ["stages_and_routes", "state_keys", "written_buffers", "graph_device", "retarget"]
 
 
 def stages_and_routes(split: fx.GraphModule, graph_module: fx.GraphModule, training: bool
@@ -152,3 +152,53 @@ def state_keys(module: nn.Module, stages: Sequence[fx.GraphModule]
     tied = [TiedParameter(by_id.get(i, ()), names) for i, names in holders.items() if len(names) > 1]
     held = {key for keys in state_keys for ks in keys.values() for key in ks}
     return state_keys, tied, [key for key in original if key not in held]
+
+
+# --- what a runtime needs of a stage's graph -----------------------------------------------------
+
+_NORMS_WITH_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
+
+
+def _graphs(graph: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``graph`` and the bodies of the regions it calls (``no_grad``, ``autocast``, ``cond``)."""
+    return (m for m in graph.modules() if isinstance(m, fx.GraphModule))
+
+
+def written_buffers(graph: fx.GraphModule) -> set[str]:
+    """The buffers the graph writes: arguments an operation mutates, and batch norm's statistics."""
+    buffers = {name for name, _ in graph.named_buffers()}
+    written: set[str] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if node.target in _NORMS_WITH_STATISTICS:
+            candidates = list(node.args[3:5])
+        elif schema is not None and schema.is_mutable:
+            candidates = [a for a, s in zip(node.args, schema.arguments) if s.alias_info is not None
+                          and s.alias_info.is_write]
+        else:
+            continue
+        written.update(str(a.target) for a in candidates if isinstance(a, fx.Node) and a.op == "get_attr"
+                       and str(a.target) in buffers)
+    return written
+
+
+def graph_device(graph: fx.GraphModule) -> torch.device:
+    tensor = next(iter([*graph.parameters(), *graph.buffers()]), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def retarget(graph: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Rewrite the device arguments ``old`` in ``graph`` (and its regions) to ``new``."""
+    def move(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
+    for module in _graphs(graph):
+        changed = False
+        for node in module.graph.nodes:
+            args, kwargs = tuple(map(move, node.args)), {k: move(v) for k, v in node.kwargs.items()}
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            module.recompile()
