@@ -337,7 +337,8 @@ def report(result: dict[str, Any], out: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = new_parser(__doc__, DEFAULT_OUT)
-    p.add_argument("--quick", action="store_true", help="smoke run (< 40 s): a tiny GPT, m = 4, 2 rounds")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (< 20 s): a tiny GPT, the last of --stages only, m = 4, 2 rounds")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3])
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts (>= stages)")
     p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS),
@@ -353,7 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.config = {k: getattr(args, k) for k in fields}
     if args.quick:
         args.config = {**fields, "vocab": 32, "d": 16, "heads": 2, "layers": 3, "context": 8, "batch": 8}
-        args.chunks, args.warmup, args.rounds = [4], 1, 2
+        args.chunks, args.warmup, args.rounds, args.stages = [4], 1, 2, args.stages[-1:]
     if min(args.chunks) < max(args.stages) or max(args.chunks) > args.config["batch"]:
         p.error(f"need {max(args.stages)} <= chunks <= batch {args.config['batch']} (1F1B needs m >= stages)")
     if args.config["layers"] < max(args.stages) or args.warmup < 0 or args.rounds < 2:
