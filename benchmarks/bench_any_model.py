@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.tiny_gp
 import suite_pipelining  # noqa: E402
 from bench_core import Timer, loadavg, machine_info, summary, time_interleaved  # noqa: E402
 from bench_schedules import _f, _train, gm_se  # noqa: E402
-from bench_suite import add_run_args, log, new_parser, run_and_report  # noqa: E402
+from bench_suite import add_run_args, log, new_parser, print_written, run_and_report  # noqa: E402
 from examples import tiny_gpt  # noqa: E402
 from examples.tiny_gpt import GPT  # noqa: E402
 from rrefpipe.skip import pop, skippable, stash  # noqa: E402
@@ -331,8 +331,7 @@ def report(result: dict[str, Any], out: Path) -> None:
     for key, s in result["summary"].items():
         print(f"  {LABELS[key]:>7}: {_pm(s)}")
     print_targets(result["targets"], "43")
-    print(f"\nwrote {out} ({result['wall_s']:.0f} s); load average at start {result['loadavg_start']}, at end "
-          f"{result['loadavg_end']}")
+    print_written(result, out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

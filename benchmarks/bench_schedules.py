@@ -76,7 +76,8 @@ from torch import Tensor, nn
 import suite_pipelining
 from bench_core import ideal_step_ms, loadavg, machine_info, stage_compute, stage_tick_ms, summary
 # (bench_suite registers suite_models for pickling by value: the stage workers get the models' classes)
-from bench_suite import add_ideal, add_run_args, log, new_parser, pipelining_row, pooled, run_and_report
+from bench_suite import (add_ideal, add_run_args, log, new_parser, pipelining_row, pooled, print_written,
+                         run_and_report)
 from suite_models import SPECS, ModelSpec, split
 from suite_pipelining import LR, PipeliningGroup, timed_steps
 from suite_pipelining import _time_steps as suite_time_steps
@@ -626,8 +627,7 @@ def report(result: dict[str, Any], out: Path) -> None:
     print_interleaved(result["interleaved"])
     print_memory(result["memory"])
     print_targets(result["targets"], "#41")
-    print(f"\nwrote {out} ({result['wall_s']:.0f} s); load average at start {result['loadavg_start']}, at end "
-          f"{result['loadavg_end']}")
+    print_written(result, out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

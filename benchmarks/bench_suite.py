@@ -375,7 +375,12 @@ def report(result: dict[str, Any], out: Path) -> None:
     print_all(result)
     print_targets(result["targets"])
     png = write_chart(result, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {png} ({result['wall_s']:.0f} s); load average at start "
+    print_written(result, out, png)
+
+
+def print_written(result: dict[str, Any], *paths: Path) -> None:
+    """A report's last line: the files written, how long the run took and the load before and after."""
+    print(f"\nwrote {' and '.join(map(str, paths))} ({result['wall_s']:.0f} s); load average at start "
           f"{result['loadavg_start']}, at end {result['loadavg_end']}")
 
 
