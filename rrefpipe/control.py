@@ -66,17 +66,8 @@ def tied_gradients(pipe_id: str, index: int, context_id: int, names: list[str]) 
 def set_tied_gradients(pipe_id: str, index: int, context_id: int, names: list[str], totals: list[Tensor]) -> None:
     """Each tied copy's gradient in the context becomes ``totals`` (their sum over the stages)."""
     server = _server(pipe_id, index)
-    module = server.stage.module
-    stored = dist_autograd.get_gradients(context_id)
-    missing = []
     with server.stream.running():
-        for name, total in zip(names, totals):
-            param = module.get_parameter(name)
-            if param in stored:
-                stored[param].copy_(total)
-            else:
-                missing.append((param, total.to(param.device)))
-        gradients.install(context_id, [p for p, _ in missing], [g for _, g in missing])
+        gradients.assign(context_id, [server.stage.module.get_parameter(name) for name in names], totals)
     server.stream.settle()
 
 
@@ -179,16 +170,8 @@ def average_replica_gradients(pipe_id: str, indices: list[int], context_id: int,
     params, buffers, stream = _worker_state(pipe_id, indices)
     stored = dist_autograd.get_gradients(context_id)
     with stream.running():
-        averaged = replicas.end_step(params, [stored.get(p) for p in params], rows, buffers)
-        missing = []
-        for p, grad in zip(params, averaged):
-            if grad is None:
-                continue
-            if p in stored:
-                stored[p].copy_(grad)
-            else:  # no gradient here, some elsewhere: the context has no entry to copy into
-                missing.append((p, grad))
-        gradients.install(context_id, [p for p, _ in missing], [g for _, g in missing])
+        # (a parameter with no gradient here but some elsewhere has no entry in the context to copy into)
+        gradients.assign(context_id, params, replicas.end_step(params, [stored.get(p) for p in params], rows, buffers))
     stream.settle()  # before the reply: the optimizer's step runs on another stream
 
 

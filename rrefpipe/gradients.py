@@ -12,7 +12,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
-__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "worker_tensors"]
+__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "assign", "worker_tensors"]
 
 
 def context_gradients(module: nn.Module, context_id: int, leave_out: Collection[Tensor] = ()) -> list[Tensor]:
@@ -86,3 +86,18 @@ def install(context_id: int, params: Sequence[Tensor], grads: Sequence[Tensor]) 
     with torch.enable_grad():
         root = _Install.apply(grads, *params)
         dist_autograd.backward(context_id, [root])
+
+
+def assign(context_id: int, params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+    """Make ``grads`` the gradients of ``params`` in the context (``None``: leave that one as it is): written
+    in place where the context has one, installed (:func:`install`) where no gradient reached it here."""
+    stored = dist_autograd.get_gradients(context_id)
+    missing = []
+    for p, grad in zip(params, grads):
+        if grad is None:
+            continue
+        if p in stored:
+            stored[p].copy_(grad)
+        else:
+            missing.append((p, grad.to(p.device)))
+    install(context_id, [p for p, _ in missing], [g for _, g in missing])
