@@ -277,10 +277,16 @@ class CapturedPipeModel:
     layers: nn.Sequential | None
     captured: CapturedModel
     outputs: Outputs
-    tied: list[TiedParameter]
-    state_keys: list[dict[str, tuple[str, ...]]]
     unused: dict[str, Tensor]
     key_order: list[str] = field(default_factory=list)  # the model's state_dict order
+
+    @property
+    def tied(self) -> list[TiedParameter]:
+        return self.captured.tied
+
+    @property
+    def state_keys(self) -> list[dict[str, tuple[str, ...]]]:
+        return self.captured.state_keys
 
     @classmethod
     def build(cls, module: nn.Module, sample: Any, split_points: Sequence[str] | None) -> CapturedPipeModel:
@@ -302,15 +308,15 @@ class CapturedPipeModel:
         routes = plan_routes(train)
         namespace = Namespace()
         outputs = Outputs(train)
+        state = module.state_dict()
         layers = nn.Sequential(*(
             CapturedStage(j, train.stages[j], evaluate.stages[j], routes[j], namespace,
                           single_output=j < train.num_stages - 1 or outputs.single,
                           counted_elsewhere=[t.names[j] for t in train.tied if j in t.names and j != min(t.names)],
-                          parts=_parts(train.state_keys[j], list(module.state_dict())))
+                          parts=_parts(train.state_keys[j], list(state)))
             for j in range(train.num_stages)))
-        state = module.state_dict()
         unused = {key: state[key].detach().clone() for key in train.unused_keys}
-        result = cls(layers, train, outputs, train.tied, train.state_keys, unused, list(state))
+        result = cls(layers, train, outputs, unused, list(state))
         train.stages = []  # the driver keeps no stage: the layers go to the workers
         return result
 
