@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .capture import CONSTANT, INPUT, CapturedModel, Source, TiedParameter, capture, stage_marks
-from .capture.model import TensorSpec
+from .capture.model import TensorSpec, spec_children
 from .capture.stages import graph_device, retarget, written_buffers
 from .checkpoint import is_recomputing
 from .skip.namespace import Namespace
@@ -234,7 +234,7 @@ class Outputs:
                 k += 1
         leaves_only = all(from_stage for from_stage, _ in self.slots)
         self.single = self.spec.is_leaf() and leaves_only
-        tuple_of_leaves = self.spec.type is tuple and all(c.is_leaf() for c in _children(self.spec))
+        tuple_of_leaves = self.spec.type is tuple and all(c.is_leaf() for c in spec_children(self.spec))
         self.plain = self.single or (tuple_of_leaves and leaves_only and k > 0)  # the stage's value is the output
 
     def __getstate__(self) -> dict[str, Any]:
@@ -253,10 +253,6 @@ class Outputs:
             return value
         tensors = (value,) if isinstance(value, Tensor) else tuple(value)
         return pytree.tree_unflatten([tensors[v] if from_stage else v for from_stage, v in self.slots], self.spec)
-
-
-def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
-    return [spec.child(k) for k in range(spec.num_children)] if hasattr(spec, "child") else list(spec.children_specs)
 
 
 class StructuredLoss:

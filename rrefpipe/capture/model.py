@@ -11,7 +11,8 @@ import torch.fx as fx
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["INPUT", "CONSTANT", "CaptureError", "Source", "TiedParameter", "TensorSpec", "CapturedModel"]
+__all__ = ["INPUT", "CONSTANT", "CaptureError", "Source", "TiedParameter", "TensorSpec", "CapturedModel",
+           "spec_children"]
 
 INPUT = -1  # Source.stage of a caller's input (position: among the flat inputs)
 CONSTANT = -2  # Source.stage of a constant model output (position: in CapturedModel.output_constants)
@@ -106,7 +107,7 @@ class CapturedModel:
         another dtype; ``ValueError`` for other sizes after dim 0, tensors of different dim 0 sizes,
         or a non-tensor input unlike the sample's (the capture baked that value in)."""
         kwargs = dict(kwargs or {})
-        order = _child(self.in_spec, 1).context
+        order = spec_children(self.in_spec)[1].context
         if set(kwargs) == set(order):  # the sample's keyword order
             kwargs = {key: kwargs[key] for key in order}
         flat, spec = pytree.tree_flatten((tuple(args), kwargs))
@@ -159,9 +160,10 @@ class CapturedModel:
 
 
 
-def _child(spec: pytree.TreeSpec, k: int) -> pytree.TreeSpec:
-    child = getattr(spec, "child", None)  # torch >= 2.9; children_specs before
-    return child(k) if callable(child) else spec.children_specs[k]
+def spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """The structures of a pytree node's children (``TreeSpec.child`` from torch 2.9, ``children_specs`` before)."""
+    child = getattr(spec, "child", None)
+    return [child(k) for k in range(spec.num_children)] if callable(child) else list(spec.children_specs)
 
 
 def _brief(spec: pytree.TreeSpec) -> str:
