@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 from torch._ops import OpOverload
 
-__all__ = ["StageGraph", "fetch", "has"]
+__all__ = ["StageGraph", "read_attributes", "fetch", "has"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ class StageGraph(fx.GraphModule):
                 module._non_persistent_buffers_set.add(attribute)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        attributes = {str(n.target): fetch(self, str(n.target)) for n in self.graph.nodes
-                      if n.op in ("get_attr", "call_module")}
+        attributes = read_attributes(self)
         persistent = set(self.state_dict(keep_vars=True))
         transient = frozenset(name for name, _ in self.named_buffers() if name not in persistent)
         records = [_Record(n.op, n.name, _Op(n.target.namespace, n.target._opname, n.target._overloadname)
@@ -91,6 +90,12 @@ def _rebuild(attributes: dict[str, Any], records: list[_Record], class_name: str
     module = StageGraph(attributes, graph, class_name, transient)
     module.train(training)
     return module
+
+
+def read_attributes(module: fx.GraphModule) -> dict[str, Any]:
+    """What ``module``'s graph reads of it (tensors, region bodies), by target: all a rebuild needs."""
+    return {str(n.target): fetch(module, str(n.target)) for n in module.graph.nodes
+            if n.op in ("get_attr", "call_module")}
 
 
 def has(module: nn.Module, target: str) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 from torch._ops import HigherOrderOperator
 
 from .model import CONSTANT, INPUT, Source, TiedParameter
-from .pickling import StageGraph, fetch, has
+from .pickling import StageGraph, fetch, has, read_attributes
 
 __all__ = ["stages_and_routes", "state_keys", "written_buffers", "graph_device", "retarget"]
 
@@ -104,8 +104,7 @@ def _stage_graph(attributes: dict[str, Any], graph: fx.Graph, name: str, owner: 
     persistent = set(owner.state_dict(keep_vars=True))
     for target, value in attributes.items():
         if isinstance(value, fx.GraphModule):  # a region's body (``no_grad``, ``autocast``, ``cond``)
-            body = {str(n.target): fetch(value, str(n.target)) for n in value.graph.nodes
-                    if n.op in ("get_attr", "call_module")}
+            body = read_attributes(value)
             for node in value.graph.nodes:
                 node.meta = {}
             attributes[target] = _stage_graph(body, value.graph, type(value).__name__, owner)
