@@ -119,8 +119,14 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
-        """Return ``module`` with every ``BatchNorm*d`` replaced by a DeferredBatchNorm sharing its state."""
-        if isinstance(module, _BatchNorm) and module.track_running_stats and not isinstance(module, cls):
+        """Return ``module`` with every ``BatchNorm*d`` replaced by a DeferredBatchNorm sharing its state.
+
+        A DeferredBatchNorm already built for ``chunks`` is kept as it is; one built for another number
+        of chunks is converted again (a new module sharing its state), as PyTorch 2.3's was, since it
+        would otherwise commit its statistics after the wrong number of micro-batches."""
+        if isinstance(module, cls) and module.chunks == chunks:
+            return module
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
             converted = cls(module.num_features, module.eps, module.momentum, module.affine, chunks)
             if module.affine:
                 converted.weight = module.weight

@@ -187,6 +187,19 @@ def test_convert_deferred_batch_norm_returns_a_converted_module_itself():
     assert DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2) is model and model[1] is converted
 
 
+def test_convert_deferred_batch_norm_for_other_chunks_returns_a_new_module_sharing_the_state():
+    """PyTorch 2.3 converts a DeferredBatchNorm built for another number of chunks again."""
+    from rrefpipe.batchnorm import DeferredBatchNorm
+
+    dbn = DeferredBatchNorm(3, chunks=2)
+    again = DeferredBatchNorm.convert_deferred_batch_norm(dbn, chunks=3)
+    assert again is not dbn and isinstance(again, DeferredBatchNorm)
+    assert (again.chunks, dbn.chunks) == (3, 2)
+    assert again.weight is dbn.weight and again.running_mean is dbn.running_mean
+    untracked = nn.BatchNorm2d(3, track_running_stats=False)
+    assert DeferredBatchNorm.convert_deferred_batch_norm(untracked, chunks=3) is untracked
+
+
 @pytest.mark.parametrize("sequence, partitions, blocks", [
     ([1, 2, 3, 4, 5, 6], 2, [[1, 2, 3, 4], [5, 6]]),  # PyTorch's test_blockpartition
     ([0, 0], 2, [[0], [0]]),
