@@ -1,18 +1,22 @@
 """A stage's gradients in a ``dist_autograd`` context, where they are: collected, reduced to a norm,
 scaled and unscaled in place (what each stage runs for :mod:`rrefpipe.clip` and
 :class:`rrefpipe.GradScaler`; the driver's side of both sits above the pipe), and added to the
-context from outside a backward (``install``: ``Pipe.train_step`` computes them by plain autograd).
+context from outside a backward (``install``: ``Pipe.train_step`` computes them by plain autograd), and
+what ``.grad`` keeps between steps on a stage worker (``drop_after_optimizer_steps``).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "assign", "worker_tensors"]
+__all__ = ["context_gradients", "gradient_norm", "scale", "unscale", "install", "assign", "worker_tensors",
+           "drop_after_optimizer_steps"]
 
 
 def context_gradients(module: nn.Module, context_id: int, leave_out: Collection[Tensor] = ()) -> list[Tensor]:
@@ -101,3 +105,26 @@ def assign(context_id: int, params: Sequence[Tensor], grads: Sequence[Tensor | N
         else:
             missing.append((p, grad.to(p.device)))
     install(context_id, [p for p, _ in missing], [g for _, g in missing])
+
+
+_dropping = threading.Lock()
+_dropping_hook: Any = None  # the handle of the process-wide hook, once installed
+
+
+def drop_after_optimizer_steps() -> None:
+    """From now on, every optimizer of this process drops its parameters' ``.grad`` after each step.
+
+    Installed on stage workers only (where ``.grad`` has no other use: distributed autograd keeps the
+    gradients in the contexts). ``DistributedOptimizer`` copies a context's gradients into ``.grad`` and
+    steps; for optimizer classes it has no TorchScript twin of, it never clears them, so a parameter
+    that got no gradient in a later step would be stepped again with the old one (a plain loop that
+    called ``zero_grad()`` would skip it), and every worker would keep a full set of gradients alive
+    between steps. Idempotent."""
+    global _dropping_hook
+    with _dropping:
+        if _dropping_hook is None:
+            _dropping_hook = register_optimizer_step_post_hook(_drop_gradients)
+
+
+def _drop_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    optimizer.zero_grad(set_to_none=True)

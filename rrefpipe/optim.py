@@ -5,7 +5,8 @@
 optimizers TorchScript has a functional twin of (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, RMSprop,
 Rprop), torch builds that twin on the workers, and it has no ``param_groups`` to schedule or state to
 save. The classes here are those optimizers under the same names, as subclasses: torch builds them as
-the regular ``torch.optim`` optimizer on every worker (and they drop each step's gradients after it).
+the regular ``torch.optim`` optimizer on every worker. (Any optimizer on a stage worker drops its
+gradients after each step: see :func:`rrefpipe.gradients.drop_after_optimizer_steps`.)
 Around those, :class:`RemoteLRScheduler` runs a ``torch.optim.lr_scheduler`` class (or any callable
 that builds a scheduler from an optimizer) on every worker, stepped together from the driver, and
 :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` save and restore their state
@@ -36,48 +37,35 @@ __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "
            "optimizer_state_dict", "load_optimizer_state_dict"]
 
 
-class _OneStepGradients(Optimizer):
-    """Drops the gradients after each step. torch's ``_LocalOptimizer`` copies a context's gradients
-    into ``.grad`` and never clears them: a parameter without a gradient in a later step would be
-    stepped again with the old one (as a plain loop that never calls ``zero_grad`` would), and every
-    worker would keep a full set of gradients alive between steps."""
-
-    def step(self, closure: Any = None) -> Any:
-        try:
-            return super().step(closure)
-        finally:
-            self.zero_grad(set_to_none=True)
-
-
-class SGD(_OneStepGradients, torch.optim.SGD):
+class SGD(torch.optim.SGD):
     """``torch.optim.SGD``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adam(_OneStepGradients, torch.optim.Adam):
+class Adam(torch.optim.Adam):
     """``torch.optim.Adam``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class AdamW(_OneStepGradients, torch.optim.AdamW):
+class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adagrad(_OneStepGradients, torch.optim.Adagrad):
+class Adagrad(torch.optim.Adagrad):
     """``torch.optim.Adagrad``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adadelta(_OneStepGradients, torch.optim.Adadelta):
+class Adadelta(torch.optim.Adadelta):
     """``torch.optim.Adadelta``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Adamax(_OneStepGradients, torch.optim.Adamax):
+class Adamax(torch.optim.Adamax):
     """``torch.optim.Adamax``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class RMSprop(_OneStepGradients, torch.optim.RMSprop):
+class RMSprop(torch.optim.RMSprop):
     """``torch.optim.RMSprop``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 
-class Rprop(_OneStepGradients, torch.optim.Rprop):
+class Rprop(torch.optim.Rprop):
     """``torch.optim.Rprop``, built by ``DistributedOptimizer`` as a regular optimizer (see the module)."""
 
 

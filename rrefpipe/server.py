@@ -27,7 +27,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.futures import Future
 
-from . import checkpoint, microbatch
+from . import checkpoint, gradients, microbatch
 from .batchnorm import defer_batch_norms
 from .dependency import arrival, hop
 from .errors import Failure
@@ -470,8 +470,10 @@ def has_stages(pipe_id: str) -> bool:
 
 
 def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
-    """Build a stage from its pickled :class:`StageSpec` (cloudpickle, see the driver)."""
+    """Build a stage from its pickled :class:`StageSpec` (cloudpickle, see the driver). This process is
+    a stage worker from now on: its optimizers drop their gradients after each step."""
     spec = pickle.loads(payload)
+    gradients.drop_after_optimizer_steps()
     server = StageServer(pipe_id, spec)
     with _registry_lock:
         given_up = (pipe_id, spec.index) in _destroyed_unbuilt  # by its driver, while this was being built

@@ -40,17 +40,23 @@ def test_a_lambda_schedule_with_momentum_matches_plain_training(cluster):
     assert_same_weights(trained, reference)
 
 
-def test_a_parameter_without_a_gradient_in_a_step_is_left_alone(cluster):
-    """torch's DistributedOptimizer copies gradients into .grad and never clears them: without
-    dropping them after each step, the bias below would be stepped again (with momentum) on the
-    narrow batch that gives it no gradient. Plain PyTorch, zero_grad() between steps, skips it."""
+@pytest.mark.parametrize("cls, kwargs", [
+    (torch.optim.SGD, {"momentum": 0.9}),  # torch builds its TorchScript twin on the workers
+    (rrefpipe.optim.SGD, {"momentum": 0.9}),  # the regular torch.optim.SGD on the workers
+    (torch.optim.NAdam, {}),  # no twin: torch's _LocalOptimizer, which never clears .grad
+], ids=["torch-SGD", "rrefpipe-SGD", "torch-NAdam"])
+def test_a_parameter_without_a_gradient_in_a_step_is_left_alone(cluster, cls, kwargs):
+    """torch's DistributedOptimizer copies gradients into .grad and, for a class it has no TorchScript
+    twin of, never clears them: unless stage workers drop them after each step, the bias below would
+    be stepped again on the narrow batch that gives it no gradient. Plain PyTorch, zero_grad() between
+    steps, skips it. Whatever class the user passes, the pipe trains as plain PyTorch."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 8), WideOnly(8), nn.Tanh(), nn.Linear(8, 4))
     reference = twin(model)
     wide, narrow = next(blobs(1, 8, seed=3)), next(blobs(1, 4, seed=4))
-    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), None, [wide, narrow])
+    plain_steps(reference, cls(reference.parameters(), lr=0.1, **kwargs), None, [wide, narrow])
     with Pipe(model, chunks=1, balance=[2, 2], workers=cluster.names[:2]) as pipe:
-        opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.1, momentum=0.9)
+        opt = DistributedOptimizer(cls, pipe.parameter_rrefs(), lr=0.1, **kwargs)
         pipe_steps(pipe, opt, None, [wide, narrow])
         trained = pipe.state_dict()
     assert_same_weights(trained, reference)
