@@ -22,24 +22,27 @@ def _flags(*command: str) -> set[str]:
     return set(_FLAG.findall(proc.stdout)) - {"--help"}
 
 
-_COMMANDS = [("-m", "workers"), ("-m", "rrefpipe", "timeline"), ("-m", "rrefpipe", "demo"), ("-m", "rrefpipe", "tutorial")]
+# Each command line and the API page that documents it: python -m workers on "Stage workers", python -m
+# rrefpipe on "Command line".
+_COMMANDS = [("workers.md", ("-m", "workers")), ("cli.md", ("-m", "rrefpipe", "timeline")),
+             ("cli.md", ("-m", "rrefpipe", "demo")), ("cli.md", ("-m", "rrefpipe", "tutorial"))]
 
 
-@pytest.mark.parametrize("command", _COMMANDS, ids=[" ".join(c[1:]) for c in _COMMANDS])
-def test_the_workers_page_lists_every_flag_of_the_command_line(command: tuple[str, ...]):
-    page = (API / "workers.md").read_text()
+@pytest.mark.parametrize("name,command", _COMMANDS, ids=[" ".join(c[1:]) for _, c in _COMMANDS])
+def test_the_api_pages_list_every_flag_of_the_command_lines(name: str, command: tuple[str, ...]):
+    page = (API / name).read_text()
     flags = _flags(*command)
     assert flags, f"no flags found in {' '.join(command)} --help"
     missing = sorted(flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", page))
-    assert not missing, (f"docs/api/workers.md lacks {missing} of `python {' '.join(command)}`: paste its "
+    assert not missing, (f"docs/api/{name} lacks {missing} of `python {' '.join(command)}`: paste its "
                          "current --help (COLUMNS=100) into the page")
 
 
-def test_the_workers_page_lists_every_command_of_python_m_rrefpipe():
+def test_the_command_line_page_lists_every_command_of_python_m_rrefpipe():
     proc = subprocess.run([sys.executable, "-m", "rrefpipe", "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, check=True)
     commands = set(re.search(r"\{([a-z,]+)\}", proc.stdout).group(1).split(","))  # type: ignore[union-attr]
-    page = (API / "workers.md").read_text()
+    page = (API / "cli.md").read_text()
     assert commands and all(f"  {c} " in page for c in commands), commands
 
 
