@@ -3,11 +3,12 @@
     python examples/checkpoint_resume.py --steps 4 --more 4
 
 Trains a small classifier through a pipeline of 2 local stage workers with Adam and a StepLR schedule
-(`rrefpipe.optim`), saves the model, optimizer and scheduler states with `torch.save` after `--steps`
-steps, builds a fresh pipe, optimizer and scheduler from other weights, loads the checkpoint into them
-and trains `--more` steps. Then it trains the same model for `--steps + --more` steps without stopping
-and prints how far the two runs' weights are apart. Exits with status 1 if they are not equal (within
-float tolerance).
+(`rrefpipe.optim`'s Adam: a schedule and an optimizer checkpoint need the `rrefpipe.optim` class, not
+torch's; see the guide's "The training loop", Optimizers), saves the model, optimizer and scheduler
+states with `torch.save` after `--steps` steps, builds a fresh pipe, optimizer and scheduler from other
+weights, loads the checkpoint into them and trains `--more` steps. Then it trains the same model for
+`--steps + --more` steps without stopping and prints how far the two runs' weights are apart. Exits
+with status 1 if they are not equal (within float tolerance).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Run:
 
     def __init__(self, model: nn.Sequential, stage_workers: list[str]) -> None:
         self.pipe = Pipe(model, chunks=4, workers=stage_workers)
+        # rrefpipe.optim.Adam, not torch.optim.Adam: RemoteLRScheduler and optimizer_state_dict need it
         self.opt = DistributedOptimizer(rrefpipe.optim.Adam, self.pipe.parameter_rrefs(), lr=0.01)
         self.sched = RemoteLRScheduler(self.opt, torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
 

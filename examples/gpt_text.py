@@ -35,7 +35,6 @@ from torch.distributed.optim import DistributedOptimizer
 
 from tiny_gpt import GPT  # examples/, next to this script (the stage workers need no model code)
 
-import rrefpipe.optim
 from rrefpipe import Pipe
 from rrefpipe.__main__ import CHECKPOINT_HELP
 
@@ -101,7 +100,7 @@ def next_char_loss(logits: Tensor, target: Tensor) -> Tensor:
 def train_pipe(pipe: Pipe, data: Batches, adamw: dict[str, Any], log_every: int, snapshot_after: int
                ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """The losses, and the pipe's state dict after ``snapshot_after`` steps."""
-    opt = DistributedOptimizer(rrefpipe.optim.AdamW, pipe.parameter_rrefs(), **adamw)
+    opt = DistributedOptimizer(torch.optim.AdamW, pipe.parameter_rrefs(), **adamw)
     losses = []
     snapshot: dict[str, Tensor] = {}
     for step, (x, y) in enumerate(data, 1):

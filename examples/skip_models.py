@@ -95,6 +95,8 @@ def main() -> None:
         for x, y in data:
             with dist_autograd.context() as ctx:
                 loss = F.cross_entropy(pipe(x).local_value(), y)
+                # The raw call computes the same gradients here (no tied parameters, no replicas);
+                # pipe.backward(ctx, loss) would also name the stage that fails (guide: The training loop).
                 dist_autograd.backward(ctx, [loss])
                 opt.step(ctx)
             losses.append(loss.item())

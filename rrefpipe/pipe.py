@@ -57,9 +57,11 @@ class Pipe(nn.Module):
     (read, not drawn from) and the stage index: seeded runs repeat, and stages draw different numbers.
 
     Args:
-        module: the ``nn.Sequential`` to pipeline; all parameters of one stage on one device. Any other
-            module (or one with :func:`~rrefpipe.set_stage` marks) is captured with ``torch.export`` on
-            ``sample`` and cut at ``split_points`` (see the guide's "Any model").
+        module: an ``nn.Sequential``, cut between its layers (``balance``); or any ``nn.Module``, captured
+            with ``torch.export`` on ``sample`` and cut at ``split_points`` or at its
+            :func:`~rrefpipe.set_stage` marks (see the guide's "Any model"). All parameters of one stage
+            on one device. A parameter shared by layers of two stages of an ``nn.Sequential`` is refused;
+            a captured model's tied parameters get a copy per stage, whose gradients are summed.
         chunks: number of micro-batches per mini-batch (the input is split along dim 0).
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``: which micro-batches recompute
             their forward for backward instead of keeping activations. CPU stages before the last
@@ -352,9 +354,8 @@ class Pipe(nn.Module):
         where it stays on the last stage's worker (``.to_here()``). The RRef is a
         :class:`~rrefpipe.output.PipeRRef` (an ``rpc.RRef``), or a :class:`~rrefpipe.output.RemotePipeRRef`
         that wraps the remote one; used as a tensor, either says which of the two calls to add. Train under
-        ``dist_autograd.context()`` and call ``pipe.backward(ctx, loss)`` (or
-        ``dist_autograd.backward(ctx, [loss])``); outside a context a training-mode forward warns
-        once, as no gradients could reach the stages.
+        ``dist_autograd.context()`` and call :meth:`backward`; outside a context a training-mode forward
+        warns once, as no gradients could reach the stages.
 
         Raises:
             StageError: a stage raised (names stage, worker, micro-batch and cause; the pipe stays
@@ -435,10 +436,18 @@ class Pipe(nn.Module):
                                        spread=self.call_style == "2.x", loss_scale=scale)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
-        """``dist_autograd.backward(context_id, [loss])``, with failures that name the stage and worker.
+        """``dist_autograd.backward(context_id, [loss])`` (``loss``: a tensor or a list of them), and what it
+        does not do by itself:
 
-        Plain ``dist_autograd.backward`` works as well, but its errors carry only text ("Error on Node
-        2: ...") or a bare "EOF" when a worker died.
+        * failures that name the stage, worker and micro-batch, where distributed autograd's carry only
+          text ("Error on Node 2: ...") or a bare "EOF" when a worker died;
+        * refusals at once where it would wait (see Raises);
+        * a captured model's tied parameters: every copy gets the sum of the copies' gradients;
+        * replicas (``workers.torchrun_group(replicas=R)``): the gradients averaged over the replicas.
+
+        Without tied parameters and replicas, a raw ``dist_autograd.backward(context_id, [loss])``
+        computes the same gradients; with either, it leaves them apart, without an error. In a world of
+        one process this is the raw call.
 
         Raises:
             StageError: a stage (or its recomputation) raised in backward; ``WorkerError`` for a dead
@@ -561,7 +570,8 @@ class Pipe(nn.Module):
 
     def timeline(self, path_prefix: str | Path, clear: bool = False) -> tuple[Path, Path]:
         """Write the execution record as ``PREFIX.json`` (Chrome/Perfetto trace) and ``PREFIX.png`` (one row per
-        stage, needs matplotlib: ``pip install 'rrefpipe[plot]'``); returns both paths. See :mod:`rrefpipe.timeline`."""
+        stage, needs matplotlib: ``pip install -e '.[plot]'`` in a checkout); returns both paths. See
+        :mod:`rrefpipe.timeline`."""
         from .timeline import write_timeline
 
         return write_timeline(self.execution_record(clear), path_prefix)
