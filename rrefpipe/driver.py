@@ -131,6 +131,8 @@ class RemoteDriver:
         self._closed = False
         self.infos: list[StageInfo] = []
         self.tied: list[dict[int, str]] = []  # per tied parameter: the name of its copy on each stage holding one
+        self._tied_totals: dict[int, dict[int, Tensor]] = {}  # by context: the sums last written, by tied parameter
+        self._unaveraged: dict[int, int] = {}  # by context: rows of train_steps run under no_sync, not yet averaged
         self._placed = 0  # stages asked for: one interrupted (Ctrl-C) is still built on its worker
         try:
             for spec in specs:
@@ -158,10 +160,19 @@ class RemoteDriver:
         self.tied = tied
         _with_tied[self.pipe_id] = self
 
-    def sum_tied_gradients(self, context_id: int) -> None:
+    def sum_tied_gradients(self, context_id: int, more_steps: bool = False) -> None:
         """Each tied parameter's gradient in the context, summed over the stages that hold a copy, given to
         every copy (as Megatron-LM does for the embedding shared with the output head), so that identical
-        optimizer steps keep the copies identical. Called on the driver after the backward."""
+        optimizer steps keep the copies identical. Called on the driver after the backward.
+
+        ``more_steps``: more ``train_step`` calls may add to the context. Each copy then holds the sum
+        written last plus what its own stage added since, and only those additions are summed onto it
+        (summing the copies again would count the earlier sum once per copy); the sums are kept here
+        (CPU copies) until the context ends. Gradients rewritten in between (clipping, unscaling) are
+        not seen: clip and unscale after the context's last step."""
+        for ended in [c for c in self._tied_totals if c != context_id and not _rpc.context_exists(c)]:
+            del self._tied_totals[ended]
+        previous = self._tied_totals.pop(context_id, {})
         names: dict[int, list[str]] = {}
         for tie in self.tied:
             for j, name in tie.items():
@@ -169,14 +180,23 @@ class RemoteDriver:
         fetched = self._call_each(control.tied_gradients, {j: (context_id, ns) for j, ns in names.items()})
         got = {j: dict(zip(names[j], grads)) for j, grads in fetched.items()}
         totals: dict[int, dict[str, Tensor]] = {}
-        for tie in self.tied:
+        written: dict[int, Tensor] = {}
+        for k, tie in enumerate(self.tied):
             grads = [got[j][name] for j, name in tie.items() if got[j][name] is not None]
-            if grads:
+            if not grads:
+                continue
+            before = previous.get(k)  # every copy holds it (it was written to each), plus its stage's additions
+            if before is None:
                 total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0]
-                for j, name in tie.items():
-                    totals.setdefault(j, {})[name] = total
+            else:
+                total = before + torch.stack([g - before for g in grads]).sum(0)
+            written[k] = total
+            for j, name in tie.items():
+                totals.setdefault(j, {})[name] = total
         self._call_each(control.set_tied_gradients,
                         {j: (context_id, list(by_name), list(by_name.values())) for j, by_name in totals.items()})
+        if more_steps and written:
+            self._tied_totals[context_id] = written
 
     def _summary(self) -> list[str]:
         """What must be the same on every replica: each stage's layers and device, and the settings."""
@@ -380,9 +400,10 @@ class RemoteDriver:
         return PipeRRef(collector.output)
 
     def train_step(self, context_id: int, value: TensorOrTensors, target: TensorOrTensors, loss_fn: Any, *,
-                   training: bool, spread: bool, loss_scale: float) -> Tensor:
+                   training: bool, spread: bool, loss_scale: float, average: bool = True) -> Tensor:
         """One training step under the pipe's schedule, the loss on the last stage (``Pipe.train_step``);
-        the mini-batch loss, detached."""
+        the mini-batch loss, detached. ``average=False`` (``Pipe.no_sync()``): with replicas, the gradients
+        stay this replica's until a step that averages in the same context takes them along with its own."""
         self._check_open()
         rows = split_target(value, target, self.chunks)  # (checks their types first)
         for t in (*microbatch.as_tensors(value), *microbatch.as_tensors(target)):
@@ -403,6 +424,11 @@ class RemoteDriver:
                              f"multiple of {p} micro-batches") from None
         payload = _pickled_loss(loss_fn)
         stashed_at = {key: j for j, info in enumerate(self.infos) for key in info.stashes}
+        replicated = replicas.current() is not None
+        if replicated:
+            self._warn_unaveraged(context_id)
+        # the rows of this context's steps left unaveraged: this step averages them, or adds its own
+        earlier = self._unaveraged.pop(context_id, 0)
         with self._lock:
             step = next(self._steps)
             plan = StepPlan(
@@ -411,14 +437,31 @@ class RemoteDriver:
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(rows), enabled=training),
                 workers=tuple(self.workers), skip_sources=stashed_at, driver=_rpc.self_name(),
                 timeout=self.rpc_timeout, context_id=context_id, loss_scale=loss_scale, spread=spread,
-                autocast=autocast.capture())
+                autocast=autocast.capture(), average=average, unaveraged_rows=earlier if average else 0)
             p = n // self.stages_per_worker
             losses = training_run(self.pipe_id, self.workers[:p], plan, microbatch.apply(_send_copy, value),
                                   microbatch.apply(_send_copy, target), payload, self.rpc_timeout)
         contexts.trained(context_id, self.pipe_id)
-        if self.tied:
-            self.sum_tied_gradients(context_id)
+        if replicated and not average:
+            self._unaveraged[context_id] = earlier + sum(rows)
+        elif self.tied:  # after the averaging, as the averaged gradients are the ones to sum
+            self.sum_tied_gradients(context_id, more_steps=True)
         return mean_loss(losses, rows)
+
+    def _warn_unaveraged(self, context_id: int) -> None:
+        """Warn about each other context that ended holding gradients that train_step left under
+        ``no_sync()`` and no later step there averaged over the replicas.
+
+        Distributed autograd keeps gradients per context, so the step that averages must come in the same
+        context; an optimizer step on a context that ended without it moved this replica apart from the
+        others. ``DistributedDataParallel.no_sync`` does not check; this check costs nothing, but sees it
+        only afterwards, at the next step."""
+        for ended in [c for c in self._unaveraged if c != context_id and not _rpc.context_exists(c)]:
+            rows = self._unaveraged.pop(ended)
+            warn_user(f"autograd context {ended} ended holding gradients of {rows} rows that train_step left under "
+                      "pipe.no_sync(), which no later step in that context averaged over the replicas: an optimizer "
+                      "step on them moved this replica apart from the others. Run the last train_step of each "
+                      "context outside no_sync()")
 
     def _warn_no_gradient_output(self) -> None:
         if not self._warned_no_gradient_output:
@@ -427,10 +470,20 @@ class RemoteDriver:
                       "gradients in a dist_autograd.context(): pipe.backward(ctx, loss) reaches its sends, but a plain "
                       "dist_autograd.backward would wait for them for ever. Run such forwards under torch.no_grad()")
 
-    def backward(self, context_id: int, losses: list[Tensor]) -> None:
-        """``dist_autograd.backward`` whose failures name the stage and worker."""
+    def backward(self, context_id: int, losses: list[Tensor], average: bool = True) -> None:
+        """``dist_autograd.backward`` whose failures name the stage and worker. ``average=False``
+        (``Pipe.no_sync()``) is refused with replicas: nothing could average its gradients later."""
         self._check_open()
+        if not average and replicas.current() is not None:
+            raise RuntimeError(
+                "pipe.backward under pipe.no_sync(): a dist_autograd context takes one backward, and no train_step "
+                "after it, so nothing could average these gradients over the replicas later, and an optimizer "
+                "step on them would move this replica apart from the others. To accumulate, sum the losses of "
+                "several forwards into one pipe.backward outside no_sync() (averaged once, weighted by all their "
+                "rows), or run train_step under no_sync() with the context's last one outside")
         _check_losses(losses)
+        if replicas.current() is not None:
+            self._warn_unaveraged(context_id)
         by_pipe, unreached = contexts.begin_backward(context_id, self.pipe_id, losses)
         try:
             dist_autograd.backward(context_id, losses + unreached)

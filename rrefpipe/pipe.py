@@ -1,6 +1,7 @@
 """The public ``Pipe``: argument checks and the user-facing methods (where stages go: :mod:`rrefpipe.placement`)."""
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
 import weakref
@@ -282,6 +283,7 @@ class Pipe(nn.Module):
         self.schedule = parse_schedule(schedule)
         self.stages_per_worker = check_chunks(stages_per_worker, "stages_per_worker")
         self._warned_schedule = False
+        self._averaging = True  # False inside no_sync()
         self.checkpoint = check_checkpoint(checkpoint)
         real = isinstance(rpc_timeout, numbers.Real) and not isinstance(rpc_timeout, bool)
         if not real or not rpc_timeout > 0:
@@ -432,8 +434,12 @@ class Pipe(nn.Module):
                 loss_fn = StructuredLoss(loss_fn, self._captured.outputs)
         if placement.abandoned:
             placement.release(placement.close_abandoned())
-        return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
-                                       spread=self.call_style == "2.x", loss_scale=scale)
+        spread = self.call_style == "2.x"
+        if isinstance(self._driver, RemoteDriver):  # (in one process there are no replicas to average over)
+            return self._driver.train_step(context_id, input, target, loss_fn, training=self.training, spread=spread,
+                                           loss_scale=scale, average=self._averaging)
+        return self._driver.train_step(context_id, input, target, loss_fn, training=self.training, spread=spread,
+                                       loss_scale=scale)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])`` (``loss``: a tensor or a list of them), and what it
@@ -456,13 +462,50 @@ class Pipe(nn.Module):
                 for ever) for sends of this context that no gradient reaches: a forward of any pipe of
                 this process failed in it, a forward's output is not part of ``loss`` (with
                 ``remote_output``: ``loss`` uses no fetched output at all), or a backward already ran
-                in it (start a new context; run forwards you do not backpropagate under no_grad).
+                in it (start a new context; run forwards you do not backpropagate under no_grad). With
+                replicas, also inside :meth:`no_sync`, before anything runs (the context keeps its backward).
         """
         losses = [loss] if isinstance(loss, Tensor) else list(loss)
         if isinstance(self._driver, RemoteDriver):
-            self._driver.backward(context_id, losses)
+            self._driver.backward(context_id, losses, average=self._averaging)
         else:
             dist_autograd.backward(context_id, losses)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several :meth:`train_step` calls in one context and average them over
+        the replicas once, as ``DistributedDataParallel.no_sync()`` does: inside, a step leaves its
+        gradients in the context as this replica's own; the context's next ``train_step`` outside averages
+        all of them with its own, in one all-reduce per worker instead of one per step::
+
+            with dist_autograd.context() as ctx:
+                with pipe.no_sync():
+                    for x, y in batches[:-1]:
+                        pipe.train_step(ctx, x, y, loss_fn)
+                pipe.train_step(ctx, *batches[-1], loss_fn)  # averages the gradients of all of them
+                opt.step(ctx)
+
+        The weight of each replica is the rows of all its steps averaged together, so the result is that
+        of averaging every step whenever the replicas' shares of each step keep the same proportions
+        (equal shares, or a smaller last batch on every replica alike). A captured model's tied parameters
+        are summed after that averaging. Nesting is allowed.
+
+        Without replicas (a ``Pipe`` outside ``workers.torchrun_group(replicas=R)``) it changes nothing:
+        steps in one context add up their gradients anyway.
+
+        With replicas, as with DDP, every replica must run the same steps inside and outside, or the
+        all-reduces pair up wrong and fail after ``collective_timeout``. A context whose last ``train_step``
+        ran inside ends with gradients no step averaged: an optimizer step on them moves this replica
+        apart from the others, with a warning only at this pipe's next step (DDP does not check).
+        :meth:`backward` inside raises at once (before any backward): a context takes one backward and no
+        ``train_step`` after it, so nothing could average its gradients; sum the losses of several
+        forwards into one ``backward`` outside, which averages once, weighted by all their rows.
+        """
+        averaging, self._averaging = self._averaging, False
+        try:
+            yield
+        finally:
+            self._averaging = averaging
 
     def clip_grad_norm_(self, context_id: int, max_norm: float | Tensor, norm_type: float | str | Tensor = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:

@@ -2,7 +2,8 @@
 collectives that keep them one model, over the c10d groups ``workers.torchrun_group(replicas=R)`` made.
 
 A stage worker's group joins stage worker k of every replica; a driver's joins the drivers. After each
-step stage worker k of every replica averages its parameters' gradients with the others, weighted by
+step (under ``Pipe.no_sync()``, after the step that ends the accumulation, over the gradients of all its
+steps) stage worker k of every replica averages its parameters' gradients with the others, weighted by
 each replica's rows (so that the average is the gradient of the loss over all replicas' samples, also
 when a replica's batch is smaller) and in one flat all-reduce per device and dtype (one message, not
 one per parameter), then takes replica 0's buffers (BatchNorm's running statistics), as
@@ -56,7 +57,8 @@ def average_gradients(grads: Sequence[Tensor | None], rows: int, like: Sequence[
     with a replica that has none for a parameter counting zero; None where no replica has one.
 
     ``like``: the parameters (for the shape, device and dtype of a missing gradient). Every replica must
-    pass its parameters in the same order (the drivers checked that the replicas' pipes match)."""
+    pass its parameters in the same order (the drivers checked that the replicas' pipes match). The
+    averages are new tensors: ``grads`` are left as they are (they may be a context's own)."""
     m = _require()
     present = torch.tensor([float(rows)] + [float(g is not None) for g in grads], dtype=torch.float64)
     _all_reduce([present], m)

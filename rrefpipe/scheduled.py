@@ -31,6 +31,7 @@ from typing import Any
 
 import cloudpickle
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
@@ -73,6 +74,8 @@ class StepPlan:
     timeout: float
     context_id: int
     loss_scale: float = 1.0  # the micro-batch losses' backward is scaled by this (``GradScaler``)
+    average: bool = True  # with replicas: average at the end (False under ``Pipe.no_sync()``)
+    unaveraged_rows: int = 0  # rows of earlier steps in the context left unaveraged (no_sync): averaged too
     spread: bool = False
     autocast: tuple[AutocastRegion, ...] = ()
 
@@ -333,20 +336,32 @@ class _StepRun:
 
     def _install(self) -> None:
         """Move the parameters' gradients, summed over the step's micro-batches (and averaged over the
-        replicas, if any), into the caller's context, adding to what an earlier step there left."""
+        replicas, if any), into the caller's context, adding to what an earlier step there left.
+
+        Under ``Pipe.no_sync()`` nothing is averaged; the next step that averages in the context takes
+        what those steps left there along with its own (weighted by all their rows, in one all-reduce)
+        and writes the average over it."""
         # once each: a parameter two stages of this worker share got one sum
         params, buffers = gradients.worker_tensors([srv.stage.module for srv in self.servers.values()])
         grads: list[Tensor | None] = [p.grad for p in params]
         for p in params:
             p.grad = None
+        context_id = self.plan.context_id
         with next(iter(self.servers.values())).stream.running():  # a worker's stages share its device
-            if replicas.current() is not None:
+            if replicas.current() is not None and self.plan.average:
                 start = time.time()
-                grads = replicas.end_step(params, grads, sum(self.plan.rows), buffers)
+                earlier = self.plan.unaveraged_rows > 0
+                if earlier:
+                    stored = dist_autograd.get_gradients(context_id)
+                    grads = [_added(stored.get(p), g) for p, g in zip(params, grads)]
+                grads = replicas.end_step(params, grads, sum(self.plan.rows) + self.plan.unaveraged_rows, buffers)
                 for srv in self.servers.values():  # one span per stage row of the timeline
                     srv.stage.recorder.add("allreduce", self.plan.step, -1, start, time.time())
+                if earlier:  # the context's gradients become the average
+                    gradients.assign(context_id, params, grads)
+                    return
             kept = [(p, g) for p, g in zip(params, grads) if g is not None]
-            gradients.install(self.plan.context_id, [p for p, _ in kept], [g for _, g in kept])
+            gradients.install(context_id, [p for p, _ in kept], [g for _, g in kept])
 
     # -- messages ----------------------------------------------------------------------------------
     def _take(self, key: Key, what: Callable[[], str]) -> Payload:
@@ -403,6 +418,13 @@ def _leaves(payload: Payload) -> tuple[TensorOrTensors, list[Tensor | None]]:
     leaves = [t.requires_grad_(True) if flag else t for t, flag in zip(tensors, flags) if t is not None]
     rebuilt: TensorOrTensors = leaves[0] if isinstance(value, Tensor) else tuple(leaves)
     return rebuilt, [t if flag else None for t, flag in zip(leaves, flags)]
+
+
+def _added(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``a + b``, where either may be missing (``replicas.end_step`` leaves its inputs as they are)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
 
 
 def _as_tuple(value: Tensor | tuple[Tensor | None, ...] | None) -> tuple[Tensor | None, ...]:

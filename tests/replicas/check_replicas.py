@@ -6,7 +6,10 @@ Modes:
 - ``train``: train_step under GPipe and 1F1B, checkpoint 'never' and 'always', momentum SGD and Adam;
   pipe(x) + pipe.backward; one replica's last share smaller than the others'; clip_grad_norm_;
   GradScaler with an overflow in one replica only; deferred BatchNorm (every replica keeps replica 0's
-  statistics, as DistributedDataParallel does); state_dict and resuming from it.
+  statistics, as DistributedDataParallel does); state_dict and resuming from it; accumulating k train_steps
+  in one context under ``Pipe.no_sync()`` (equal and unequal shares, a captured model's tied parameters):
+  one averaging per context, counted in c10d's all-reduces on the stage workers; pipe.backward under
+  no_sync() refused, k forwards summed into one pipe.backward averaged once.
 - ``mismatch``: replica 1 builds another model: both drivers get a ValueError at once.
 - ``extra-step``: replica 0 runs one step more than replica 1: its step fails after the collective timeout.
 - ``kill-worker``: replica 0's last stage worker dies in a step: every driver gets an error naming it.
@@ -15,15 +18,19 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.optim import DistributedOptimizer
@@ -47,6 +54,13 @@ def batches(steps: int, rows: list[int], seed: int = 1) -> list[list[tuple[Tenso
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)) for n in rows]
             for _ in range(steps)]
+
+
+def uneven(rows: list[list[int]], seed: int) -> list[list[tuple[Tensor, Tensor]]]:
+    """Per step, every replica's share: ``rows[step][r]`` samples."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(k, FEATURES, generator=g), torch.randint(0, CLASSES, (k,), generator=g)) for k in step]
+            for step in rows]
 
 
 def whole(shares: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -87,6 +101,150 @@ def same_on_every_replica(state: dict[str, Tensor], what: str) -> None:
 
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.02})}
+
+_all_reduces: list[int] = []  # on a stage worker, once counting: [c10d all-reduces run since]
+
+
+def all_reduces() -> int:
+    """On a stage worker: the c10d all-reduces this process has run since its first call, which starts the
+    count by wrapping ``torch.distributed.all_reduce`` (what ``rrefpipe.replicas`` calls, by attribute)."""
+    if not _all_reduces:
+        _all_reduces.append(0)
+        real = dist.all_reduce
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            _all_reduces[0] += 1
+            return real(*args, **kwargs)
+
+        dist.all_reduce = counting
+    return _all_reduces[0]
+
+
+def count_all_reduces(stage_workers: workers.StageWorkers) -> int:
+    """The all-reduces this replica's stage workers have run, together (counting starts at the first call)."""
+    return sum(rpc.rpc_sync(name, all_reduces, timeout=30) for name in stage_workers)
+
+
+def no_sync_window(pipe: Pipe, opt: DistributedOptimizer, shares: list[tuple[Tensor, Tensor]],
+                   synced: Callable[[int], bool]) -> dict[str, Tensor]:
+    """One context of ``len(shares)`` train_steps, step k under ``pipe.no_sync()`` unless ``synced(k)``,
+    then the optimizer's step; the gradients it stepped on."""
+    with dist_autograd.context() as ctx:
+        for k, (x, y) in enumerate(shares):
+            with contextlib.nullcontext() if synced(k) else pipe.no_sync():
+                pipe.train_step(ctx, x, y, F.cross_entropy)
+        grads = stage_gradients(pipe, ctx)
+        opt.step(ctx)
+    return grads
+
+
+def plain_window(plain: nn.Module, opt: torch.optim.Optimizer, window: list[list[tuple[Tensor, Tensor]]],
+                 union: bool = True) -> None:
+    """Plain PyTorch's accumulation over ``window`` (per step, every replica's share), then its step. ``union``:
+    each step's loss is the mean over the union of the replicas' shares; else each replica's mean, weighted
+    by the rows it has in the whole window (what no_sync's one averaging gives when the replicas' shares of
+    each step are not in the same proportions)."""
+    opt.zero_grad()
+    totals = [sum(len(step[r][1]) for step in window) for r in range(len(window[0]))]
+    for step in window:
+        if union:
+            x, y = whole(step)
+            loss = F.cross_entropy(plain(x), y)
+        else:
+            loss = sum((t / sum(totals)) * F.cross_entropy(plain(x), y) for t, (x, y) in zip(totals, step))
+        loss.backward()
+    opt.step()
+
+
+def assert_same_gradients(grads: dict[str, Tensor], plain: nn.Module, what: str) -> None:
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+def no_sync(stage_workers: workers.StageWorkers) -> None:
+    """Accumulation under ``Pipe.no_sync()``: the gradients of a context's k train_steps are averaged once,
+    weighted by each replica's rows in all k, and equal plain PyTorch's; pipe.backward inside is refused."""
+    r, n = stage_workers.replica, stage_workers.replicas
+    model = mlp()
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1, momentum=0.9)
+        before = count_all_reduces(stage_workers)
+        step = batches(1, [4] * n, seed=7)
+        grads = no_sync_window(pipe, opt, [step[0][r]], synced=lambda k: True)
+        plain_window(plain, plain_opt, step)
+        assert_same_gradients(grads, plain, "one step")
+        one = count_all_reduces(stage_workers) - before  # the all-reduces of one averaging
+        assert one > 0, one
+        for seed, synced, averagings in [(8, lambda k: k == 2, 1), (9, lambda k: k == 2, 1), (10, lambda k: True, 3)]:
+            window = batches(3, [4] * n, seed=seed)
+            before = count_all_reduces(stage_workers)
+            grads = no_sync_window(pipe, opt, [shares[r] for shares in window], synced)
+            got = count_all_reduces(stage_workers) - before
+            assert got == averagings * one, f"{got} all-reduces, not {averagings} averaging(s) of {one}"
+            plain_window(plain, plain_opt, window)
+            assert_same_gradients(grads, plain, f"k=3, {averagings} averaging(s)")
+        assert_same_parameters(pipe, plain, "no_sync, 1F1B")
+    print(f"OK replica {r}: no_sync: 3 train_steps averaged once, as plain PyTorch", flush=True)
+
+    # unequal shares: replica 0 has twice the others' rows (then the same proportions each step: exact against
+    # the union); then shares in other proportions each step (weighted by the rows of the whole window)
+    model = mlp(seed=1)
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    proportional = uneven([[k] + [k // 2] * (n - 1) for k in (6, 4, 8)], seed=11)  # 18 rows against 9
+    other = uneven([[4] * (n - 1) + [last] for last in (4, 4, 1)], seed=12)  # 12 against 9, 1 of 5 in the last
+    with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        for window, union in [(proportional, True), (other, False)]:
+            before = count_all_reduces(stage_workers)
+            grads = no_sync_window(pipe, opt, [shares[r] for shares in window], lambda k: k == len(window) - 1)
+            got = count_all_reduces(stage_workers) - before
+            assert got == one, f"{got} all-reduces, not one averaging's {one}"
+            plain_window(plain, plain_opt, window, union=union)
+            assert_same_gradients(grads, plain, f"unequal shares, union={union}")
+        assert_same_parameters(pipe, plain, "no_sync, unequal shares")
+        # a context whose last step ran under no_sync: its gradients were never averaged; the next step warns
+        x, y = other[0][r]
+        with dist_autograd.context() as ctx, pipe.no_sync():
+            pipe.train_step(ctx, x, y, F.cross_entropy)
+        with dist_autograd.context() as ctx, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe.train_step(ctx, x, y, F.cross_entropy)
+        assert any("which no later step in that context averaged" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+    print(f"OK replica {r}: no_sync: unequal shares weighted by the rows of every step; a context left unaveraged "
+          "warns", flush=True)
+
+    # pipe.backward: refused under no_sync (the context keeps its one backward); k forwards summed into one
+    # backward outside average once, weighted by all their rows
+    model = mlp(seed=2)
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    window = uneven([[k] + [k // 2] * (n - 1) for k in (4, 6, 2)], seed=13)
+    with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers) as pipe:
+        opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+        before = count_all_reduces(stage_workers)
+        with dist_autograd.context() as ctx:
+            loss = sum(F.cross_entropy(pipe(x).local_value(), y) for x, y in (step[r] for step in window))
+            try:
+                with pipe.no_sync():
+                    pipe.backward(ctx, loss)
+            except RuntimeError as exc:
+                assert "pipe.backward under pipe.no_sync()" in str(exc), exc
+            else:
+                raise AssertionError("pipe.backward ran under no_sync()")
+            assert count_all_reduces(stage_workers) == before  # refused before anything ran
+            pipe.backward(ctx, loss)  # the same context: its one backward is still to come
+            grads = stage_gradients(pipe, ctx)
+            opt.step(ctx)
+        got = count_all_reduces(stage_workers) - before
+        assert got == one, f"{got} all-reduces, not one averaging's {one}"
+        plain_window(plain, plain_opt, window)
+        assert_same_gradients(grads, plain, "pipe.backward of 3 forwards")
+        assert_same_parameters(pipe, plain, "pipe.backward of 3 forwards")
+    print(f"OK replica {r}: no_sync: pipe.backward refused inside; 3 forwards, one backward, averaged once", flush=True)
 
 
 def train(stage_workers: workers.StageWorkers) -> None:
@@ -138,17 +296,18 @@ def train(stage_workers: workers.StageWorkers) -> None:
     print(f"OK replica {r}: pipe.backward, clip_grad_norm_", flush=True)
 
     # a captured model (any nn.Module, cut at a split point) with a parameter tied across its stages: the
-    # copies' gradients are averaged over the replicas and summed over the stages, in either order
+    # copies' gradients are averaged over the replicas and summed over the stages, in either order; then
+    # accumulated in one context, under no_sync and averaged, twice (each sum adds what came since the last)
     torch.manual_seed(0)
     gpt = GPT(vocab=32, d=16, heads=2, layers=2, context=6)
     plain = copy.deepcopy(gpt)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(4)
-    tokens = [[torch.randint(0, 32, (4, 6), generator=g) for _ in range(n)] for _ in range(2)]
+    tokens = [[torch.randint(0, 32, (4, 6), generator=g) for _ in range(n)] for _ in range(6)]
     with Pipe(gpt, chunks=2, split_points=["blocks.1"], sample=tokens[0][r], workers=stage_workers,
               schedule="1F1B") as pipe:
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1, momentum=0.9)
-        for step, shares in enumerate(tokens):
+        for step, shares in enumerate(tokens[:2]):
             with dist_autograd.context() as ctx:
                 if step == 0:
                     pipe.train_step(ctx, shares[r], shares[r], lm_loss)
@@ -158,9 +317,18 @@ def train(stage_workers: workers.StageWorkers) -> None:
             plain_opt.zero_grad()
             lm_loss(plain(torch.cat(shares)), torch.cat(shares)).backward()
             plain_opt.step()
+        with dist_autograd.context() as ctx:
+            for k, shares in enumerate(tokens[2:]):
+                with pipe.no_sync() if k % 2 == 0 else contextlib.nullcontext():
+                    pipe.train_step(ctx, shares[r], shares[r], lm_loss)
+            opt.step(ctx)
+        plain_opt.zero_grad()
+        for shares in tokens[2:]:
+            lm_loss(plain(torch.cat(shares)), torch.cat(shares)).backward()
+        plain_opt.step()
         assert_same_parameters(pipe, plain, "captured GPT")
         same_on_every_replica(pipe.state_dict(), "captured GPT")
-    print(f"OK replica {r}: captured model, tied parameters", flush=True)
+    print(f"OK replica {r}: captured model, tied parameters, accumulated under no_sync", flush=True)
 
     model = mlp()
     with Pipe(model, chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
@@ -200,6 +368,8 @@ def train(stage_workers: workers.StageWorkers) -> None:
         same_on_every_replica(again.state_dict(), "resumed")
         torch.testing.assert_close(again.state_dict()["1.running_mean"], state["1.running_mean"])
     print(f"OK replica {r}: deferred BatchNorm, resume", flush=True)
+
+    no_sync(stage_workers)
 
 
 def mismatch(stage_workers: workers.StageWorkers) -> None:
