@@ -314,10 +314,8 @@ class _StepRun:
         kept = self.kept.pop((j, i))
         srv.stage.recompute_soon(self.plan.step, i)  # a checkpointed forward recomputes while we wait
         roots: list[Tensor] = []
-        grads: list[Tensor | None] = []
-        if kept.loss is not None:
-            roots, grads = [kept.loss], [None]
-        else:
+        grads: list[Tensor] = []
+        if kept.loss is None:
             value, _ = self._take(("B", j, i), lambda: f"the gradient of micro-batch {i} from stage {j + 1} "
                                                         f"(worker {self.plan.workers[j + 1]!r})")
             _add_roots(roots, grads, kept.outputs, _as_tuple(value))
@@ -326,8 +324,11 @@ class _StepRun:
             value, _ = self._take(("G", j, i, key), lambda: f"the gradient of skip {key[1]!r} of micro-batch {i} "
                                                              f"from stage {target}")
             _add_roots(roots, grads, [tensor], _as_tuple(value))
+        starts = [] if kept.loss is None else [kept.loss]
         if roots:
-            torch.autograd.backward(roots, grads)
+            starts.append(_Given.apply(tuple(grads), *roots))
+        if starts:
+            torch.autograd.backward(starts)
         if j > 0:
             self._post(srv, j - 1, ("B", j - 1, i), [_grad(t) for t in kept.inputs], whole=False)
         for key, leaf in kept.skip_leaves.items():
@@ -405,6 +406,24 @@ class _StepRun:
         self.sent.append(future)
 
 
+class _Given(torch.autograd.Function):
+    """A scalar whose backward hands each root the gradient received for it, as it is: backward from it
+    is ``torch.autograd.backward(roots, grads)`` without that function's Python check of the gradients,
+    which imports ``torch.fx.experimental.symbolic_shapes`` and with it sympy, once per process: 0.3 s
+    of each worker's first step on an idle machine, seconds on a busy one (issue 48), and nothing else
+    a step runs imports it. The engine still validates each gradient against its root (shape, dtype,
+    device), as it does a root's own."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple[Tensor, ...], *roots: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.zeros((), device=roots[0].device)  # on the stage's device, as its nodes are
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.grads)
+
+
 class _LossError(Exception):
     """``loss_fn`` raised, or returned something backward cannot start from (the cause says which)."""
 
@@ -431,7 +450,7 @@ def _as_tuple(value: Tensor | tuple[Tensor | None, ...] | None) -> tuple[Tensor 
     return () if value is None else (value,) if isinstance(value, Tensor) else value
 
 
-def _add_roots(roots: list[Tensor], grads: list[Tensor | None], tensors: Sequence[Tensor],
+def _add_roots(roots: list[Tensor], grads: list[Tensor], tensors: Sequence[Tensor],
                received: Sequence[Tensor | None]) -> None:
     """Backward starts from each of ``tensors`` that got a gradient (a later stage's input it used)."""
     for t, g in zip(tensors, received):

@@ -120,6 +120,13 @@ def all_counts(names: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
+def loaded(modules: list[str]) -> list[str]:
+    """Which of ``modules`` the process this runs in has imported."""
+    import sys
+
+    return [name for name in modules if name in sys.modules]
+
+
 def environment(keys: list[str]) -> dict[str, str | None]:
     """The named environment variables of the process this runs in."""
     import os

@@ -22,6 +22,7 @@ from rrefpipe import GradScaler, Pipe
 from rrefpipe.optim import RemoteLRScheduler
 from rrefpipe.schedule import worker_orders
 from rrefpipe.skip import Namespace
+from tests.conftest import run_script
 from tests.distributed.probes import stage_gradients
 from tests.layers import Merge, PopAdd, Split, StashInput, StashLinear, make_head, make_tail, mlp, twin
 from tests.training import batches_with_overflows, model_that_overflows
@@ -335,8 +336,6 @@ def test_in_a_world_of_one_train_step_equals_the_plain_model():
     """``rpc.init_rpc`` with world size 1: the stages run in this process (in GPipe's order whatever the
     schedule); loss, the context's gradients and the parameters after an optimizer step are the plain
     model's."""
-    from tests.conftest import run_script
-
     proc = run_script("""
         import copy, os, warnings
         import torch, torch.nn.functional as F
@@ -382,3 +381,38 @@ def test_in_a_world_of_one_train_step_equals_the_plain_model():
         rpc.shutdown()
     """, timeout=100)
     assert proc.stdout.splitlines() == ["ok GPipe", "ok 1F1B", "ok Interleaved1F1B"], proc.stdout
+
+
+# -- fresh workers ------------------------------------------------------------------------------------
+FIRST_STEP_SCRIPT = """
+import torch, torch.nn.functional as F
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import nn
+from rrefpipe import Pipe
+from workers import LocalWorkers
+from tests.distributed.probes import loaded
+from tests.layers import PopAdd, StashInput
+
+MODULES = ["sympy", "torch.fx.experimental.symbolic_shapes"]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(5, 5), StashInput(), nn.Linear(5, 5), PopAdd(), nn.Linear(5, 3))
+with LocalWorkers(2, threads=1) as group:
+    pipe = Pipe(model, chunks=2, balance=[3, 2], workers=group.names, schedule="1F1B")
+    print("started=" + repr([rpc.rpc_sync(name, loaded, args=(MODULES,)) for name in group.names]))
+    with dist_autograd.context() as ctx:
+        pipe.train_step(ctx, torch.randn(4, 5), torch.randn(4, 3), F.mse_loss)
+    print("stepped=" + repr([rpc.rpc_sync(name, loaded, args=(MODULES,)) for name in group.names]))
+    pipe.close()
+"""
+
+
+def test_a_first_step_on_fresh_workers_imports_no_sympy():
+    """A stage before the last starts its backward from the gradients of its outputs (and skips). Given to
+    ``torch.autograd.backward`` as such, they made torch import sympy to check their shapes
+    (``_make_grads`` imports ``torch.fx.experimental.symbolic_shapes``): 0.3 s and more of each worker's
+    first step (issue 48). Neither starting a worker nor its first step imports it now. On workers of its
+    own: the session's may have imported it for other tests' models."""
+    proc = run_script(FIRST_STEP_SCRIPT, timeout=100)
+    values = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert values == {"started": "[[], []]", "stepped": "[[], []]"}, proc.stdout
