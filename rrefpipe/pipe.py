@@ -86,10 +86,14 @@ class Pipe(nn.Module):
             remote RRef (``.to_here()`` fetches it).
         rpc_timeout: seconds each RPC may take before the step fails (a dead worker fails at once);
             a whole forward is one such call. Backward waits on the RPC group's default timeout.
-        microbatches_per_message: micro-batches a stage sends to the next in one message. More saves
-            each hop a request, a reply and a gradient message per extra micro-batch, and delays the
-            next stage's start by as many micro-batches: worth it with many small micro-batches (see
-            the guide's Performance page). Stages in this process (RPC world of one) send no messages.
+        microbatches_per_message: micro-batches a stage sends to the next in one message of ``pipe(x)``
+            (their gradients then come back in one message of ``pipe.backward``). More saves each hop a
+            request, a reply and a gradient message per extra micro-batch, and delays the next stage's
+            start by as many micro-batches: worth it with many small micro-batches (see the guide's
+            Performance page). Stages in this process (RPC world of one) send no messages.
+            :meth:`train_step` sends each micro-batch on its own and refuses a value above 1 (ValueError):
+            under 1F1B a stage may follow a forward with a backward that waits on the next stage, which
+            needs that very output, so it cannot be held for the micro-batch after it.
         call_style: how a tuple reaches a layer. ``'auto'``: a call with one input, ``pipe(x)`` or
             ``pipe((a, b))``, passes tuples whole (PyTorch 1.8), except to a layer whose ``forward``
             requires two or more arguments; a call with several, ``pipe(a, b)``, spreads every tuple
@@ -410,13 +414,23 @@ class Pipe(nn.Module):
 
         Raises:
             RuntimeError: ``context_id`` is not the current autograd context, or gradients are off.
-            ValueError: the target's batch size differs from the input's; a batch that splits into a
-                micro-batch count the schedule cannot run (Interleaved1F1B); tensors not on the CPU.
+            ValueError: the pipe was built with ``microbatches_per_message`` above 1 (it applies to
+                ``pipe(x)``; refused before any stage runs); the target's batch size differs from the
+                input's; a batch that splits into a micro-batch count the schedule cannot run
+                (Interleaved1F1B); tensors not on the CPU.
             TypeError: ``loss_fn`` is not callable or does not pickle; input or target not tensors.
             StageError: a stage, or ``loss_fn`` (``phase='loss_fn'``), raised or returned something that is
                 not a scalar tensor (names stage, worker and micro-batch); ``WorkerError`` for a dead or hung
                 worker. The pipe stays usable: run the next step in a new context.
         """
+        if self.microbatches_per_message > 1:
+            # Not honoured: a held output could deadlock 1F1B (see the argument's docs), and GPipe's
+            # train_step alone grouping messages would make the option mean something else per schedule.
+            raise ValueError(f"Pipe(microbatches_per_message={self.microbatches_per_message}) groups the messages of "
+                             "pipe(x) and its pipe.backward only: train_step sends each micro-batch's activation and "
+                             "gradient on its own, as its schedules run forwards and backwards one micro-batch at a "
+                             "time. Build the pipe with microbatches_per_message=1 (the default) to train it with "
+                             "train_step, or train this one with pipe(x) and pipe.backward(ctx, loss)")
         if _rpc.current_context_id() != context_id:
             raise RuntimeError(f"train_step(context_id={context_id!r}) must run inside that context's block, "
                                "`with dist_autograd.context() as context_id:`, where its gradients are kept for "

@@ -1,4 +1,5 @@
 """Mistakes a new user makes: each gets a message that says what to do instead."""
+import copy
 import gc
 import pickle
 import threading
@@ -14,6 +15,7 @@ from torch import nn
 from rrefpipe import Pipe
 from rrefpipe.output import PipeRRef, RemotePipeRRef
 from tests.conftest import run_script
+from tests.distributed.probes import stage_gradients
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,6 +139,32 @@ def test_backward_of_a_loss_from_another_context_says_what_happened(cluster):
         F.cross_entropy(model(x), y).backward()
         torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
 
+
+
+def test_train_step_refuses_microbatches_per_message_and_the_pipe_still_trains(cluster):
+    """``microbatches_per_message`` groups the messages of ``pipe(x)``; ``train_step`` sends micro-batches
+    one by one, so it refuses the option (issue 48) where it ignored it, before any stage runs, and
+    says what to do. ``pipe(x)`` with ``pipe.backward`` then trains the same pipe as the plain model."""
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    model = _model()
+    with Pipe(copy.deepcopy(model), chunks=4, balance=[2, 1], workers=cluster.names[:2],
+              microbatches_per_message=2) as pipe:
+        for _ in range(2):  # the same answer again: a refusal changes nothing
+            with dist_autograd.context() as ctx:
+                with pytest.raises(ValueError) as info:
+                    pipe.train_step(ctx, x, y, F.cross_entropy)
+            text = str(info.value)
+            assert "Pipe(microbatches_per_message=2) groups the messages of pipe(x)" in text
+            assert "microbatches_per_message=1" in text and "pipe.backward(ctx, loss)" in text
+        assert pipe.execution_record() == []  # no stage ran
+        assert all(t == (0, 0) for kinds in pipe.traffic() for t in kinds.values())  # nothing was sent
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, F.cross_entropy(pipe(x).local_value(), y))
+            grads = stage_gradients(pipe, ctx)
+    F.cross_entropy(model(x), y).backward()
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"{name}: {m}")
 
 def test_in_a_world_of_one_the_output_says_the_same():
     """Stages in this process (RPC initialised with world size 1, PyTorch 1.8's way): the same RRef class."""
