@@ -33,6 +33,9 @@ What a capture fixes (check ``CapturedModel.training`` and see ``flatten_inputs`
 * non-tensor inputs (``scale=3.0``) become constants, and tensor dims other than 0 the sample's sizes:
   ``flatten_inputs`` refuses a call that differs;
 * devices the model names in ``forward`` (``torch.arange(T, device=x.device)`` becomes ``device='cpu'``).
+* ``use_cache=False`` where ``forward`` takes a ``use_cache`` the sample leaves out (a Hugging Face
+  model would return its generation cache, which export cannot capture); the model and its config are
+  not changed, and ``flatten_inputs`` adds the keyword to a call without it.
 
 Errors: a model ``torch.export`` cannot capture (branches on a tensor's value, outputs it cannot
 flatten, code that depends on the batch size) raises :class:`CaptureError`, a ``ValueError`` naming the
@@ -51,7 +54,7 @@ from torch.fx.passes.split_module import split_module
 
 from .cuts import (check_calls_within_stages, checked_points, listing, regions_of, set_stage, stage_marks,
                    stages_at_points, stages_from_marks)
-from .export import check_sample, export
+from .export import check_sample, export, training_keywords
 from .model import CONSTANT, INPUT, CaptureError, CapturedModel, Source, TiedParameter
 from .stages import stages_and_routes, state_keys
 
@@ -93,6 +96,8 @@ def capture(module: nn.Module, args: tuple[object, ...] | Tensor, kwargs: Mappin
             raise ValueError(f"give split_points or set_stage marks, not both: {listing(marks)} are marked; "
                              "remove the marks with set_stage(m, None), or leave split_points out")
         points = checked_points(module, modules, split_points)
+    fixed = training_keywords(module, args, kwargs)  # use_cache=False: see TRAINING_KEYWORDS
+    kwargs.update(fixed)
     names, expected = check_sample(args, kwargs)
     started = time.perf_counter()
     exported = export(module, args, kwargs)
@@ -107,7 +112,8 @@ def capture(module: nn.Module, args: tuple[object, ...] | Tensor, kwargs: Mappin
     keys, tied, unused = state_keys(module, stages)
     return CapturedModel(stages, inputs, outputs, constants, exported.call_spec.in_spec, exported.call_spec.out_spec,
                          names, keys, tied, unused, module.training, frozenset(numbers),
-                         {"export": exported_at - started, "split": time.perf_counter() - exported_at}, expected)
+                         {"export": exported_at - started, "split": time.perf_counter() - exported_at}, expected,
+                         fixed)
 
 
 def run_stages(captured: CapturedModel, *args: object, **kwargs: object) -> object:

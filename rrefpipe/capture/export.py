@@ -15,7 +15,13 @@ from torch.utils import _pytree as pytree
 
 from .model import CaptureError, TensorSpec
 
-__all__ = ["check_sample", "export"]
+__all__ = ["check_sample", "training_keywords", "export"]
+
+#: Keywords a capture passes when the sample call leaves them out and ``forward`` names them. A Hugging
+#: Face model returns its key/value cache (``DynamicCache``) by default (``config.use_cache``): it serves
+#: generation, a training step never reads it, and torch.export cannot return it from a graph. Passing
+#: False here, rather than setting ``model.config.use_cache``, leaves the user's model as it was.
+TRAINING_KEYWORDS: dict[str, object] = {"use_cache": False}
 
 
 def check_sample(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[list[str], list[object]]:
@@ -46,6 +52,19 @@ def check_sample(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[l
     return names, expected
 
 
+def training_keywords(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> dict[str, object]:
+    """The ``TRAINING_KEYWORDS`` that ``forward`` takes by name and the sample call does not pass, by
+    position or by keyword: what a capture adds to the call (a value the caller gives is kept)."""
+    try:
+        signature = inspect.signature(module.forward)
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature to read, or a call that does not fit (export says so)
+        return {}
+    named = {name for name, p in signature.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {name: value for name, value in TRAINING_KEYWORDS.items() if name in named and name not in given}
+
+
 def export(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> torch.export.ExportedProgram:
     """``torch.export.export`` with dim 0 of every tensor input dynamic; its failures as CaptureError."""
     try:
@@ -55,7 +74,7 @@ def export(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object
     dynamic = {name: pytree.tree_map(lambda v: {0: Dim.DYNAMIC} if isinstance(v, Tensor) else None, value)
                for name, value in bound.arguments.items()}
     try:
-        with _quiet_failures():
+        with _quiet_failures(), _attributes_kept(module):
             return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
     except Exception as e:
         where = _culprit(module, e)
@@ -80,6 +99,30 @@ def _quiet_failures() -> Iterator[None]:
         shapes.setLevel(level)
 
 
+@contextlib.contextmanager
+def _attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Give the model back its own attribute objects. Non-strict ``torch.export`` restores every module's
+    attributes after tracing from a pytree copy, so a dict, list or tuple attribute (a Hugging Face model's
+    ``_tp_plan``, a LayerNorm's ``normalized_shape``) comes back as an equal but new object, and a
+    caller's reference to the old one would no longer be the model's."""
+    before = [(m, dict(vars(m))) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes in before:
+            for key, value in attributes.items():
+                now = m.__dict__.get(key, value)
+                if now is not value and _equal(now, value):
+                    m.__dict__[key] = value
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # values whose == is not a plain bool (tensors)
+        return False
+
+
 def _culprit(module: nn.Module, error: BaseException) -> str | None:
     """The path of the innermost submodule whose ``forward`` the error went through, if any."""
     paths = {id(m): path for path, m in module.named_modules()}
@@ -100,7 +143,11 @@ def _culprit(module: nn.Module, error: BaseException) -> str | None:
 
 def _what_to_do(error: BaseException) -> str:
     text = f"{type(error).__name__} {error}"
-    if "data-dependent" in text or "DataDependent" in text:
+    if "transformers.cache_utils" in text:
+        hint = ("forward returns a Hugging Face key/value cache, which serves generation and which torch.export "
+                "cannot return from a graph: leave use_cache out of the call (rrefpipe then captures with "
+                "use_cache=False) or pass use_cache=False")
+    elif "data-dependent" in text or "DataDependent" in text:
         hint = ("forward branches on a tensor's value: compute both sides and pick one with torch.where, or use "
                 "torch.cond")
     elif "not a known type" in text or "pytree" in text:

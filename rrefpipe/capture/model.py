@@ -68,7 +68,9 @@ class CapturedModel:
     ``numbers``: the stage outputs that are Python numbers, not tensors (sizes that depend on the batch).
     ``input_names``: each flat input as the sample gave it (``args[0]``, ``kwargs['mask']``);
     ``in_spec``/``out_spec``: the pytree structures of the call and of the output. ``seconds``: how
-    long ``torch.export`` and the split took.
+    long ``torch.export`` and the split took. ``fixed``: the keywords the capture added to the sample
+    call (``use_cache=False`` for a Hugging Face model), which ``flatten_inputs`` adds to a call that
+    leaves them out (a call made as the sample was still fits).
     """
 
     stages: list[fx.GraphModule]
@@ -85,6 +87,7 @@ class CapturedModel:
     numbers: frozenset[Source] = frozenset()
     seconds: dict[str, float] = field(default_factory=dict)
     _expected: list[object] = field(default_factory=list, repr=False)  # a TensorSpec or the sample's value
+    fixed: dict[str, object] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -105,8 +108,9 @@ class CapturedModel:
 
         Raises ``TypeError`` for another structure, a non-tensor where the sample had a tensor or
         another dtype; ``ValueError`` for other sizes after dim 0, tensors of different dim 0 sizes,
-        or a non-tensor input unlike the sample's (the capture baked that value in)."""
-        kwargs = dict(kwargs or {})
+        or a non-tensor input unlike the sample's (the capture baked that value in). The ``fixed``
+        keywords a call leaves out are added."""
+        kwargs = {**{k: v for k, v in self.fixed.items() if k not in (kwargs or {})}, **(kwargs or {})}
         order = spec_children(self.in_spec)[1].context
         if set(kwargs) == set(order):  # the sample's keyword order
             kwargs = {key: kwargs[key] for key in order}
