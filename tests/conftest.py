@@ -18,11 +18,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 
 _surfacing: list[tuple[str, str, float]] = []
+_pending_surfacing: list[tuple[str, str, float]] = []  # recorded during the test that runs now
 
 
 def record_surfacing(test: str, what: str, seconds: float) -> None:
     """Note how long a fault took to surface; printed at the end of the run."""
-    _surfacing.append((test, what, seconds))
+    _pending_surfacing.append((test, what, seconds))
 
 
 _cluster_pids: dict[str, int] = {}  # the session group's live workers, by name
@@ -46,7 +47,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Name the test after which a worker of the session group was gone: a later test that uses it
     fails with "EOF", and the worker's own last words went to this test's captured stderr, which pytest
-    shows only for failures. Reported at the end of the run; the outcome is left as it is."""
+    shows only for failures. Reported at the end of the run; the outcome is left as it is.
+
+    Both reports travel in the teardown report's ``user_properties``: under pytest-xdist the tests run
+    in worker processes and only reports reach the process that prints the summary."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.when != "teardown":
@@ -55,7 +59,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if not pid_alive(pid):
             del _cluster_pids[name]
             lines = [line for line in report.capstderr.splitlines() if "worker" in line.lower()]
-            _cluster_lost.append((item.nodeid, name, lines[-20:]))
+            report.user_properties.append(("rrefpipe_cluster_lost", (item.nodeid, name, lines[-20:])))
+    for entry in _pending_surfacing:
+        report.user_properties.append(("rrefpipe_surfacing", entry))
+    _pending_surfacing.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect what the teardown reports carry, in the process that prints the summary."""
+    for key, value in report.user_properties:
+        if key == "rrefpipe_surfacing":
+            _surfacing.append(tuple(value))  # type: ignore[arg-type]
+        elif key == "rrefpipe_cluster_lost":
+            _cluster_lost.append(tuple(value))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ PyTorch-1.8 in-process mode, and workers started the way torchrun starts them.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -491,8 +492,9 @@ def test_a_users_own_workers_module_neither_runs_as_a_worker_nor_hides_the_cause
 
 
 @pytest.mark.parametrize("worker_start, timeout, error", [
+    # The start fails at the first exit: the other worker may or may not have exited by then.
     ("raise SystemExit('broken worker environment')", 60,
-     "workers that exited: {'worker1': 1, 'worker2': 1}): a stage worker exited before joining the group"),
+     r"workers that exited: \{'worker[12]': 1(, 'worker2': 1)?\}\): a stage worker exited before joining the group"),
     ("import threading; threading.Event().wait()", 2, ": 0 of 2 stage workers joined the group within 2 s"),
 ], ids=["exits", "hangs"])
 def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, worker_start, timeout, error):
@@ -514,7 +516,7 @@ def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, w
         with LocalWorkers(2) as workers:
             print("again=" + str(workers.running))
     """)
-    assert error in _values(out.stdout, "error")[0]
+    assert re.search(error, _values(out.stdout, "error")[0])
     took = float(_values(out.stdout, "took")[0])
     assert took < 30 if timeout == 60 else took >= timeout  # no waiting for a worker that exited
     assert _values(out.stdout, "again") == ["True"]

@@ -11,17 +11,23 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, parameter_drifts, record_surfacing
+from tests.conftest import ROOT, parameter_drifts, pid_alive, record_surfacing
 
 SCRIPT = "tests/replicas/check_replicas.py"
+
+
+#: Set in every process of this module's jobs (they inherit it): what ``no_process_left`` looks for, so
+#: that another test's job running at the same time (pytest-xdist) is not taken for one of ours.
+JOB_MARK = f"RREFPIPE_REPLICAS_TEST_JOB={os.getpid()}"
 
 
 def torchrun(*args: str, timeout: float, nproc: int = 6) -> tuple[subprocess.CompletedProcess[str], float]:
     """``torchrun --standalone`` of ``args`` on this host; the finished process and its wall time."""
     start = time.monotonic()
+    name, value = JOB_MARK.split("=")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{name: value}))
     return proc, time.monotonic() - start
 
 
@@ -33,8 +39,20 @@ def lines(proc: subprocess.CompletedProcess[str], prefix: str) -> list[str]:
 
 
 def no_process_left() -> None:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    left = [line for line in ps.splitlines() if SCRIPT in line or "examples/data_parallel.py" in line]
+    """No process of this module's jobs is left (found by the mark in their environment)."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                marked = JOB_MARK.encode() in f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if marked and pid_alive(int(entry)):
+            left.append(f"{entry} {args}")
     assert not left, f"processes of the job outlived it:\n{left}"
 
 
