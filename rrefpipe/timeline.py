@@ -93,8 +93,8 @@ def _pyplot_free_figure(width_in: float, height_in: float) -> Any:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("drawing the timeline needs matplotlib: pip install 'rrefpipe[plot]' "
-                          "(or pip install matplotlib); the JSON trace needs nothing") from exc
+        raise ImportError("drawing the timeline needs matplotlib: pip install matplotlib (in a checkout: "
+                          "pip install -e '.[plot]'); the JSON trace needs nothing") from exc
     fig = Figure(figsize=(width_in, height_in))
     FigureCanvasAgg(fig)
     return fig
