@@ -1,6 +1,8 @@
-"""Shared fixtures: one set of local stage workers for the multi-process tests, and a script runner."""
+"""Shared fixtures: one set of local stage workers for the multi-process tests, a script runner, and the
+command lines' --help texts (each run once per test process)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -116,6 +118,21 @@ def run_script(code: str, timeout: float = 90, check: bool = True) -> subprocess
     if check and proc.returncode != 0:
         pytest.fail(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+@functools.lru_cache(maxsize=None)
+def help_text(*argv: str) -> str:
+    """The stdout of ``python ARGV --help`` (e.g. ``help_text("-m", "rrefpipe", "demo")``, or
+    ``help_text("examples/demo.py")``), run once per test process: the CLI tests and the API-page tests
+    read the same help of the real entry points, and each run imports torch anew (~1.5 CPU-s).
+
+    At COLUMNS=100, the width the API pages paste; the width only rewraps usage and help text, which
+    no reader of it depends on. Fails with the output when the command fails (and then is not cached)."""
+    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLUMNS="100"))
+    if proc.returncode != 0:
+        pytest.fail(f"python {' '.join(argv)} --help failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
 
 
 def parameter_drifts(output: str) -> list[float]:

@@ -2,14 +2,11 @@
 mkdocstrings directive for the modules of each page."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, help_text
 
 API = ROOT / "docs" / "api"
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -17,9 +14,7 @@ _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 def _flags(*command: str) -> set[str]:
     """The long options a parser's --help lists (argparse writes each of them there)."""
-    proc = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env=dict(os.environ, COLUMNS="100"), check=True)
-    return set(_FLAG.findall(proc.stdout)) - {"--help"}
+    return set(_FLAG.findall(help_text(*command))) - {"--help"}  # (at COLUMNS=100)
 
 
 # Each command line and the API page that documents it: python -m workers on "Stage workers", python -m
@@ -39,9 +34,8 @@ def test_the_api_pages_list_every_flag_of_the_command_lines(name: str, command: 
 
 
 def test_the_command_line_page_lists_every_command_of_python_m_rrefpipe():
-    proc = subprocess.run([sys.executable, "-m", "rrefpipe", "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, check=True)
-    commands = set(re.search(r"\{([a-z,]+)\}", proc.stdout).group(1).split(","))  # type: ignore[union-attr]
+    usage = help_text("-m", "rrefpipe")
+    commands = set(re.search(r"\{([a-z,]+)\}", usage).group(1).split(","))  # type: ignore[union-attr]
     page = (API / "cli.md").read_text()
     assert commands and all(f"  {c} " in page for c in commands), commands
 

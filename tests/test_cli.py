@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from rrefpipe.__main__ import CHECKPOINT_HELP, main, parser
-from tests.conftest import ROOT
+from tests.conftest import ROOT, help_text
 from workers.__main__ import parser as workers_parser
 
 
@@ -42,7 +42,7 @@ def options_without_help(text: str) -> list[str]:
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["tutorial"], ["timeline"]])
 def test_help_explains_every_flag(command):
-    text = cli(*command, "--help").stdout
+    text = help_text("-m", "rrefpipe", *command)
     assert "usage:" in text
     assert options_without_help(text) == []
     if not command:
@@ -51,7 +51,7 @@ def test_help_explains_every_flag(command):
 
 
 def test_help_lists_each_command_once():
-    text = cli("--help").stdout
+    text = help_text("-m", "rrefpipe")
     for name in ("demo", "tutorial", "timeline"):
         entries = [line for line in text.splitlines() if re.match(rf"^\s+{name}\s{{2,}}\S", line)]
         assert len(entries) == 1, text
@@ -59,10 +59,8 @@ def test_help_lists_each_command_once():
 
 @pytest.mark.parametrize("name", ["demo", "tutorial"])
 def test_example_help_names_the_command_that_ran_it(name):
-    assert cli(name, "--help").stdout.startswith(f"usage: python -m rrefpipe {name} [-h]")
-    proc = subprocess.run([sys.executable, f"examples/{name}.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert proc.stdout.startswith(f"usage: {name}.py [-h]")
+    assert help_text("-m", "rrefpipe", name).startswith(f"usage: python -m rrefpipe {name} [-h]")
+    assert help_text(f"examples/{name}.py").startswith(f"usage: {name}.py [-h]")
 
 
 def _example(name: str) -> ModuleType:
