@@ -1,6 +1,7 @@
 """Faults: nothing hangs, the cause is named, the time to surface is recorded (see the run's summary)."""
 from __future__ import annotations
 
+import subprocess
 import textwrap
 import time
 
@@ -151,7 +152,147 @@ def test_a_backward_hung_past_the_rpc_timeout_names_its_stage():
     assert (v["stage"], v["worker"], v["hung"]) == ("1", "worker2", "True")
 
 
-@pytest.mark.parametrize("layer, checkpoint, expected", [
+# -- Faults that leave every worker up, run as cases of one script -----------------------------------
+# Each of these tests ran a script of its own, which started its own stage workers: 10 drivers and 26
+# workers, most of a minute of CPU in interpreter start-up alone. None of them kills, hangs or
+# interrupts a worker, so they run as cases of one script (``_shared_run``, once per test process), one
+# after the other on one group of four local workers: each case builds its own pipes, as a script of its
+# own did, and closes them. The group is held by the embedded workers' own count (``acquire_embedded``),
+# so a pipe built without ``workers=`` takes them as a script's first pipe would have started them (the
+# first n), and one that names its workers finds them in the driver's RPC group, as with a LocalWorkers of
+# its own. A case's lines carry its name; its traceback, if it raised, and the stage workers' stderr
+# while it ran go to its own test, which fails on them alone (later cases run anyway).
+# Kept in scripts of their own: the faults that kill, hang or interrupt, and the gradients in flight after
+# a failed backward (which asserts on every context the workers retain, and once aborted its process).
+
+SHARED_PRELUDE = PRELUDE + """
+import sys, traceback
+import torch.distributed.rpc as rpc
+from rrefpipe import _rpc
+from workers import launch
+CASE = None
+def report(**kv):
+    for k, v in kv.items():
+        print(f"{CASE}\\t{k}={v}", flush=True)
+def run_case(name, case):
+    global CASE
+    CASE = name
+    print(f"=== case {name} ===", file=sys.stderr, flush=True)
+    try:
+        case()
+    except Exception:
+        for line in traceback.format_exc().splitlines():
+            print(f"{name}\\t!{line}", flush=True)
+    report(ended=True)
+"""
+
+_SHARED: list[tuple[str, str]] = []  # (case name, body), run in this order
+_SHARED_TIMEOUT = 100  # the script's, under the tests' 120 s (it runs in the first one's set-up): about 10 s here
+
+
+def _shared_case(name: str, body: str) -> str:
+    _SHARED.append((name, textwrap.dedent(body)))
+    return name
+
+
+class _SharedRun:
+    """The shared script's output, by case."""
+
+    def __init__(self, stdout: str, stderr: str, ended: str) -> None:
+        self.ended = ended  # how the script ended
+        self.values: dict[str, dict[str, str]] = {}
+        self.tracebacks: dict[str, list[str]] = {}
+        for line in stdout.splitlines():
+            case, tab, rest = line.partition("\t")
+            if not tab:
+                continue
+            if rest.startswith("!"):
+                self.tracebacks.setdefault(case, []).append(rest[1:])
+            else:
+                key, _, value = rest.partition("=")
+                self.values.setdefault(case, {})[key] = value
+        self.stderr_tail = stderr[-3000:]
+        self.stderr: dict[str, str] = {}
+        for chunk in ("\n" + stderr).split("\n=== case ")[1:]:
+            case, _, text = chunk.partition(" ===\n")
+            self.stderr[case] = text
+
+    def case(self, name: str, surfacing: str) -> dict[str, str]:
+        """Case ``name``'s values; fails with its traceback if it raised, or if it did not end."""
+        print(self.stderr.get(name, "")[-6000:])  # the workers' logs while it ran: shown if an assertion fails
+        if name in self.tracebacks:
+            pytest.fail(f"case {name!r} raised:\n" + "\n".join(self.tracebacks[name]), pytrace=False)
+        v = self.values.get(name, {})
+        if v.get("ended") != "True":
+            pytest.fail(f"case {name!r} did not end: the shared script {self.ended}; it reported {v}, and its "
+                        f"stderr ends:\n{self.stderr_tail}", pytrace=False)
+        for key in ("surfaced", "closed", "exited"):
+            if key in v:
+                record_surfacing(surfacing, key, float(v[key]))
+        return v
+
+    def check_exit(self) -> None:
+        """After a case's own checks: the script exited cleanly once every case had ended (a crash at exit
+        fails them all; one before a case ended fails that case and those after it, which did not end)."""
+        if all(self.values.get(name, {}).get("ended") == "True" for name, _ in _SHARED):
+            assert self.ended == "exited with status 0", f"the shared script {self.ended} after its last case"
+
+
+@pytest.fixture(scope="module")
+def shared_run() -> _SharedRun:
+    """Runs every case of ``_SHARED`` in one script, on one group of four local workers, before any of
+    their tests asserts (under pytest-xdist, once in each test process that runs one of them)."""
+    code = [SHARED_PRELUDE]
+    for name, body in _SHARED:
+        code.append("def _case():\n" + textwrap.indent(body, "    ") + f"run_case({name!r}, _case)\n")
+        if name == _RETAINED_CASE:  # the first case: the group starts once it has run without one
+            code.append("hold = launch.acquire_embedded(4, devices=None, rpc_timeout=_rpc.DEFAULT_RPC_TIMEOUT)\n")
+    code.append("launch.release_embedded(hold)\n")
+    try:
+        proc = run_script("".join(code), timeout=_SHARED_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired as exc:
+        text = [s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr)]
+        return _SharedRun(*text, f"was killed after {_SHARED_TIMEOUT} s")
+    return _SharedRun(proc.stdout, proc.stderr, f"exited with status {proc.returncode}")
+
+
+# The first case: it needs a process without an RPC group (the others start one).
+_RETAINED_CASE = _shared_case("context kept past its release", """
+    from unittest import mock
+    dist_autograd._init(0)  # the context container, without an RPC group
+    with mock.patch.object(_rpc.rpc, "get_rpc_timeout", return_value=0.2), \\
+            mock.patch.object(_rpc, "_RETAIN_MARGIN", 0.0):
+        with dist_autograd.context() as ctx:
+            _rpc.retain_context(ctx)
+        report(released=not _rpc.context_exists(ctx), kept=ctx in _rpc._retained)
+        deadline = time.monotonic() + 20
+        while ctx in _rpc._retained and time.monotonic() < deadline:  # a condition, with a deadline
+            time.sleep(0.01)
+        report(dropped=ctx not in _rpc._retained)
+""")
+
+_KEPT_CASES = {checkpoint: _shared_case(f"kept for backward after a failed backward, {checkpoint}", f"""
+    from rrefpipe import memory
+    model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4), layers.RaiseInBackward())
+    pipe = Pipe(model, chunks=4, balance=[1, 2], checkpoint={checkpoint!r})
+    names = [stage.worker for stage in pipe.stages]
+    memory.track_workers(names)
+    try:
+        with dist_autograd.context() as ctx:
+            loss = pipe(torch.randn(16, 4)).local_value().sum()
+            report(during=[r.saved_now for r in memory.worker_reports(names)])
+            try:
+                pipe.backward(ctx, loss)
+            except StageError as exc:
+                report(failed=exc.stage)
+        report(after=[r.saved_now for r in memory.worker_reports(names)])
+        pipe.close()
+    finally:  # the next case's workers count from nothing, as fresh ones would
+        for name in names:
+            rpc.rpc_sync(name, memory.stop_tracking)
+""") for checkpoint in ["always", "except_last"]}
+
+_RAISING = [
     ("RaiseInBackward()", "never", ("backward", "Error", "gradient of the wrong shape")),
     # a layer's own words for a connection are not TensorPipe's: still the layer's error, not a lost worker
     ("RaiseInBackward('timeout: the file was closed')", "never", ("backward", "Error", "timeout: the file was closed")),
@@ -160,65 +301,90 @@ def test_a_backward_hung_past_the_rpc_timeout_names_its_stage():
                                       "checkpointing: the recomputed forward saved 2 tensors for backward where the "
                                       "first saved 1, or of other shapes, dtypes or devices: the stage's forward must "
                                       "do the same work when run again")),
-])
-def test_stage_raising_in_backward_names_it_and_the_next_step_works(layer, checkpoint, expected):
-    v = _run(f"stage raising in {expected[0]}", f"""
-        model = nn.Sequential(nn.Linear(4, 4), layers.{layer}, nn.Linear(4, 4))
-        pipe = Pipe(model, chunks=2, checkpoint="{checkpoint}", balance=[1, 1, 1])
-        t = time.monotonic()
-        try:
-            with dist_autograd.context() as ctx:
-                pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
-        except StageError as exc:
-            report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
-                   message=exc.error_message, lost=isinstance(exc, WorkerError), surfaced=time.monotonic() - t)
-        with torch.no_grad():  # the same pipe keeps working
-            x = torch.randn(4, 4)
-            torch.testing.assert_close(pipe(x).local_value(), model(x))
-        report(next_step="ok")
-        pipe.close()
-    """)
+]
+_RAISING_CASES = {(layer, checkpoint): _shared_case(f"stage raising {layer}, checkpoint={checkpoint}", f"""
+    model = nn.Sequential(nn.Linear(4, 4), layers.{layer}, nn.Linear(4, 4))
+    pipe = Pipe(model, chunks=2, checkpoint="{checkpoint}", balance=[1, 1, 1])
+    t = time.monotonic()
+    try:
+        with dist_autograd.context() as ctx:
+            pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+    except StageError as exc:
+        report(stage=exc.stage, worker=exc.worker, phase=exc.phase, type=exc.error_type,
+               message=exc.error_message, lost=isinstance(exc, WorkerError), surfaced=time.monotonic() - t)
+    with torch.no_grad():  # the same pipe keeps working
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(pipe(x).local_value(), model(x))
+    report(next_step="ok")
+    pipe.close()
+""") for layer, checkpoint, _ in _RAISING}
+
+_ANOTHER_PIPE_CASES = {shared: _shared_case(f"another pipe's backward, {'shared' if shared else 'own'} workers", f"""
+    from tests.distributed.probes import check_transparent
+    a_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    b_model = nn.Sequential(nn.Linear(4, 4), layers.RaiseInBackward("B's gradient is wrong"), nn.Linear(4, 2))
+    b_workers = ["worker2", "worker1"] if {shared} else ["worker3", "worker4"]
+    a = Pipe(a_model, chunks=2, balance=[1, 1], workers=["worker1", "worker2"])
+    b = Pipe(b_model, chunks=2, balance=[1, 2], workers=b_workers)
+    x = torch.randn(4, 4)
+    t = time.monotonic()
+    try:
+        with dist_autograd.context() as ctx:
+            a.backward(ctx, a(x).local_value().sum() + b(x).local_value().sum())
+    except StageError as exc:
+        held = (f"holds stage 0 of pipe {{a._driver.pipe_id}}, stage 1 of pipe {{b._driver.pipe_id}} in this "
+                "backward; which one raised is not known")
+        report(stage=exc.stage, worker=exc.worker, phase=exc.phase, cause="B's gradient is wrong" in str(exc),
+               both=held in str(exc), surfaced=time.monotonic() - t)
+    check_transparent(a, a_model, torch.randn(4, 4, requires_grad=True))
+    with torch.no_grad():
+        torch.testing.assert_close(b(x).local_value(), b_model(x))
+    report(next_steps="ok")
+    a.close()
+    b.close()
+""") for shared in [False, True]}
+
+# The last case: it patches how a worker takes in skips (and undoes it).
+_SKIP_CASE = _shared_case("skip that cannot be taken in", """
+    from tests.distributed.probes import check_transparent, fail_skip_arrivals
+    model = nn.Sequential(layers.StashInput(), nn.Linear(4, 4), nn.Linear(4, 4), layers.PopAdd())
+    pipe = Pipe(model, chunks=2, balance=[2, 2], rpc_timeout=30)
+    rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=("no room for the skip",))
+    t = time.monotonic()
+    try:
+        with dist_autograd.context() as ctx:
+            pipe(torch.randn(4, 4))
+    except StageError as exc:
+        report(stage=exc.stage, worker=exc.worker, microbatch=exc.microbatch, phase=exc.phase,
+               cause="no room for the skip" in str(exc), surfaced=time.monotonic() - t)
+    rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=(None,))
+    check_transparent(pipe, model, torch.randn(4, 4, requires_grad=True))
+    report(next_step="ok")
+    pipe.close()
+""")
+
+
+@pytest.mark.parametrize("layer, checkpoint, expected", _RAISING)
+def test_stage_raising_in_backward_names_it_and_the_next_step_works(shared_run, layer, checkpoint, expected):
+    v = shared_run.case(_RAISING_CASES[layer, checkpoint], f"stage raising in {expected[0]}")
     assert (v["stage"], v["worker"]) == ("1", "worker2")
     assert (v["phase"], v["type"], v["message"], v["lost"]) == (*expected, "False")
     assert v["next_step"] == "ok"
+    shared_run.check_exit()
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own workers", "shared workers"])
-def test_a_stage_failing_in_another_pipes_backward_is_named(shared):
+def test_a_stage_failing_in_another_pipes_backward_is_named(shared_run, shared):
     """Two pipes' losses in one backward, run by pipe A, where pipe B's stage 1 raises: the error named
     no stage (torch's "Error on Node ..." text). A layer's own error in backward names no stage, so on a
     worker that also holds A's stage 0 the error names that one and says that either may have raised
-    (it named A's stage 0 alone). Both pipes go on. In a script of its own, as every failing backward
-    here: the session's shared workers stay out of it."""
-    v = _run("stage raising in another pipe's backward", f"""
-        from workers import LocalWorkers
-        from tests.distributed.probes import check_transparent
-        with LocalWorkers(4) as workers:
-            a_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-            b_model = nn.Sequential(nn.Linear(4, 4), layers.RaiseInBackward("B's gradient is wrong"), nn.Linear(4, 2))
-            b_workers = ["worker2", "worker1"] if {shared} else ["worker3", "worker4"]
-            a = Pipe(a_model, chunks=2, balance=[1, 1], workers=["worker1", "worker2"])
-            b = Pipe(b_model, chunks=2, balance=[1, 2], workers=b_workers)
-            x = torch.randn(4, 4)
-            t = time.monotonic()
-            try:
-                with dist_autograd.context() as ctx:
-                    a.backward(ctx, a(x).local_value().sum() + b(x).local_value().sum())
-            except StageError as exc:
-                held = (f"holds stage 0 of pipe {{a._driver.pipe_id}}, stage 1 of pipe {{b._driver.pipe_id}} in this "
-                        "backward; which one raised is not known")
-                report(stage=exc.stage, worker=exc.worker, phase=exc.phase, cause="B's gradient is wrong" in str(exc),
-                       both=held in str(exc), surfaced=time.monotonic() - t)
-            check_transparent(a, a_model, torch.randn(4, 4, requires_grad=True))
-            with torch.no_grad():
-                torch.testing.assert_close(b(x).local_value(), b_model(x))
-            report(next_steps="ok")
-            a.close()
-            b.close()
-    """)
+    (it named A's stage 0 alone). Both pipes go on. On four local workers of the shared script's own, as
+    every failing backward here: the session's shared workers stay out of it."""
+    v = shared_run.case(_ANOTHER_PIPE_CASES[shared], "stage raising in another pipe's backward")
     expected = ("0", "worker1", "True") if shared else ("1", "worker4", "False")
     assert (v["stage"], v["worker"], v["both"]) == expected
     assert (v["phase"], v["cause"], v["next_steps"]) == ("backward", "True", "ok")
+    shared_run.check_exit()
 
 
 def test_gradients_still_in_flight_after_a_failed_backward_harm_nothing(tmp_path):
@@ -264,81 +430,39 @@ def test_gradients_still_in_flight_after_a_failed_backward_harm_nothing(tmp_path
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_a_failed_backward_keeps_no_checkpointed_activations(checkpoint):
+def test_a_failed_backward_keeps_no_checkpointed_activations(shared_run, checkpoint):
     """The contexts kept after a failed backward hold its graph, and with it what the stages keep for
     backward. Checkpointed runs give theirs up when the backward fails (a retry after running out of
     memory needs it back); what is not checkpointed (the last micro-batch with 'except_last') stays with
     the graph for the RPC timeout."""
-    v = _run("kept for backward after a failed backward", f"""
-        from rrefpipe import memory
-        model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4), layers.RaiseInBackward())
-        pipe = Pipe(model, chunks=4, balance=[1, 2], checkpoint={checkpoint!r})
-        names = [stage.worker for stage in pipe.stages]
-        memory.track_workers(names)
-        with dist_autograd.context() as ctx:
-            loss = pipe(torch.randn(16, 4)).local_value().sum()
-            report(during=[r.saved_now for r in memory.worker_reports(names)])
-            try:
-                pipe.backward(ctx, loss)
-            except StageError as exc:
-                report(failed=exc.stage)
-        report(after=[r.saved_now for r in memory.worker_reports(names)])
-        pipe.close()
-    """)
+    v = shared_run.case(_KEPT_CASES[checkpoint], "kept for backward after a failed backward")
     during, after = eval(v["during"]), eval(v["after"])
     assert v["failed"] == "1" and all(during)
     if checkpoint == "always":
         assert after == [0, 0]
     else:  # (stage 0's micro-batches are views of one input: its storage counts until the last one goes)
         assert all(0 < a <= d for a, d in zip(after, during)) and after[1] < during[1], (during, after)
+    shared_run.check_exit()
 
 
-def test_a_retained_context_outlives_its_release_by_the_rpc_timeout():
+def test_a_retained_context_outlives_its_release_by_the_rpc_timeout(shared_run):
     """The context of a failed backward (above) is kept past its release, and dropped once its RPCs
     have all ended: the RPC timeout (here 0.2 s) and a margin (here none) later."""
-    v = _run("context kept past its release", """
-        from unittest import mock
-        from rrefpipe import _rpc
-        dist_autograd._init(0)  # the context container, without an RPC group
-        with mock.patch.object(_rpc.rpc, "get_rpc_timeout", return_value=0.2), \\
-                mock.patch.object(_rpc, "_RETAIN_MARGIN", 0.0):
-            with dist_autograd.context() as ctx:
-                _rpc.retain_context(ctx)
-            report(released=not _rpc.context_exists(ctx), kept=ctx in _rpc._retained)
-            deadline = time.monotonic() + 20
-            while ctx in _rpc._retained and time.monotonic() < deadline:  # a condition, with a deadline
-                time.sleep(0.01)
-            report(dropped=ctx not in _rpc._retained)
-    """)
+    v = shared_run.case(_RETAINED_CASE, "context kept past its release")
     assert (v["released"], v["kept"], v["dropped"]) == ("True", "True", "True")
+    shared_run.check_exit()
 
 
-def test_a_skip_that_cannot_be_taken_in_fails_the_step_at_once():
+def test_a_skip_that_cannot_be_taken_in_fails_the_step_at_once(shared_run):
     """The stage that pops a skip fails to take it in (a device copy out of memory, say): its
     micro-batch fails with that cause, naming the stage, at once. It waited for the skip until the RPC
     timeout. The pipe then trains on."""
-    v = _run("skip that cannot be taken in", """
-        import torch.distributed.rpc as rpc
-        from tests.distributed.probes import check_transparent, fail_skip_arrivals
-        model = nn.Sequential(layers.StashInput(), nn.Linear(4, 4), nn.Linear(4, 4), layers.PopAdd())
-        pipe = Pipe(model, chunks=2, balance=[2, 2], rpc_timeout=30)
-        rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=("no room for the skip",))
-        t = time.monotonic()
-        try:
-            with dist_autograd.context() as ctx:
-                pipe(torch.randn(4, 4))
-        except StageError as exc:
-            report(stage=exc.stage, worker=exc.worker, microbatch=exc.microbatch, phase=exc.phase,
-                   cause="no room for the skip" in str(exc), surfaced=time.monotonic() - t)
-        rpc.rpc_sync(pipe.stages[1].worker, fail_skip_arrivals, args=(None,))
-        check_transparent(pipe, model, torch.randn(4, 4, requires_grad=True))
-        report(next_step="ok")
-        pipe.close()
-    """)
+    v = shared_run.case(_SKIP_CASE, "skip that cannot be taken in")
     assert (v["stage"], v["worker"], v["microbatch"]) == ("1", "worker2", "0")
     assert v["phase"].startswith("forward") and "skip" in v["phase"]
     assert (v["cause"], v["next_step"]) == ("True", "ok")
     assert float(v["surfaced"]) < 10
+    shared_run.check_exit()
 
 
 def test_a_remote_output_left_out_of_the_loss_is_named_when_backward_times_out():
