@@ -1,7 +1,7 @@
 """Issue 43: a model ``Pipe`` captured and cut at named submodules, against the same model's hand-made stages.
 
 ``python benchmarks/bench_any_model.py`` (about 3 minutes on 2 CPU cores; ``--quick``: a smoke run of a tiny
-model, under 40 s) prints a table and writes ``benchmarks/results/any_model.json`` (``--out``).
+model, about 20 s) prints a table and writes ``benchmarks/results/any_model.json`` (``--out``).
 
 The model is ``examples/tiny_gpt.py``'s GPT-style LM (token + position embeddings, blocks in a ModuleList,
 final LayerNorm, a head, the long skip embeddings -> head), cut into 2 and 3 stages where blocks begin
@@ -57,7 +57,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.tiny_gpt (also in pipelining's ranks)
 
 import suite_pipelining  # noqa: E402
-from bench_core import Timer, loadavg, machine_info, summary, time_interleaved  # noqa: E402
+from bench_core import Timer, exit_without_teardown, loadavg, machine_info, summary, time_interleaved  # noqa: E402
 from bench_schedules import _f, _train, gm_se  # noqa: E402
 from bench_suite import add_run_args, log, new_parser, print_written, run_and_report  # noqa: E402
 from examples import tiny_gpt  # noqa: E402
@@ -337,7 +337,7 @@ def report(result: dict[str, Any], out: Path) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = new_parser(__doc__, DEFAULT_OUT)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run (< 20 s): a tiny GPT, the last of --stages only, m = 4, 2 rounds")
+                   help="smoke run (~20 s, 22 CPU-s): a tiny GPT, the last of --stages only, m = 4, 2 rounds")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3])
     p.add_argument("--chunks", nargs="+", type=int, default=list(CHUNKS), help="micro-batch counts (>= stages)")
     p.add_argument("--contestants", nargs="+", choices=CONTESTANTS, default=list(CONTESTANTS),
@@ -369,3 +369,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # every stage process is closed and the results written

@@ -1,7 +1,7 @@
 """Issue #41: ``Pipe.train_step``'s schedules (GPipe, 1F1B, Interleaved1F1B) measured.
 
-``python benchmarks/bench_schedules.py`` (about 30 minutes on 2 CPU cores; ``--quick``: a smoke run under
-60 s) prints tables and a targets block and writes ``benchmarks/results/schedules.json`` (``--out``). It
+``python benchmarks/bench_schedules.py`` (about 30 minutes on 2 CPU cores; ``--quick``: a smoke run of
+about 10 s) prints tables and a targets block and writes ``benchmarks/results/schedules.json`` (``--out``). It
 reuses the benchmark suite's pieces (``bench_suite``, ``suite_pipelining``, ``suite_targets``,
 ``bench_core``): the same models, mini-batches and splits (``suite_models``), the same processes and
 threads (``workers.LocalWorkers``, 1 intra-op thread per stage process and in the driver; one process
@@ -74,7 +74,8 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
 import suite_pipelining
-from bench_core import ideal_step_ms, loadavg, machine_info, stage_compute, stage_tick_ms, summary
+from bench_core import (exit_without_teardown, ideal_step_ms, loadavg, machine_info, stage_compute, stage_tick_ms,
+                        summary)
 # (bench_suite registers suite_models for pickling by value: the stage workers get the models' classes)
 from bench_suite import (add_ideal, add_run_args, log, new_parser, pipelining_row, pooled, print_written,
                          run_and_report)
@@ -299,7 +300,8 @@ def speed_section(cluster: Any, groups: dict[str, Any], spec: ModelSpec, n: int,
     log(f"{spec.name}, {n} stages: measuring per-stage compute ...")
     per_mb = stage_costs(spec, model, balance, args.chunks, args)
     setups = {key: (model, balance, n) for key in args.contestants}
-    warm_up(cluster, groups, spec, args.chunks[0], args.contestants, setups, args)
+    if not args.quick:  # (as bench_suite's --quick: each contestant's --warmup steps do for a smoke run)
+        warm_up(cluster, groups, spec, args.chunks[0], args.contestants, setups, args)
     rows = []
     for k, m in enumerate(args.chunks):
         load = loadavg()
@@ -329,7 +331,9 @@ def interleaved_section(cluster: Any, group: PipeliningGroup | None, spec: Model
     per_mb4 = stage_costs(spec, model, four, args.il_chunks, args)
     setups = {"pp_1f1b": (model, two, 2), "1f1b": (model, two, 2), "pp_il": (model, four, 4), "il": (model, four, 4)}
     p = 4 // V
-    warm_up(cluster, dict.fromkeys(PIPELINING, group), spec, args.il_chunks[0], args.il_contestants, setups, args)
+    if not args.quick:
+        warm_up(cluster, dict.fromkeys(PIPELINING, group), spec, args.il_chunks[0], args.il_contestants, setups,
+                args)
     rows = []
     for k, m in enumerate(args.il_chunks):
         load = loadavg()
@@ -384,8 +388,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 groups = {"pp_1f1b": group, "pp_il": group}
                 if group is not None:
                     result["machine"][f"pipelining_threads_{n}st"] = group.threads
-                if CONTROL in used:
-                    groups[CONTROL] = stack.enter_context(pipelining_group(n))
+                if CONTROL in used:  # its own group; --quick: the same one (2 processes fewer)
+                    groups[CONTROL] = (group if group is not None and args.control_group == "shared" else
+                                       stack.enter_context(pipelining_group(n)))
                 for name in speed.get(n, []):
                     result["speed"].append(speed_section(cluster, groups, SPECS[name], n, args))
                 if n == 2:
@@ -617,7 +622,9 @@ def report(result: dict[str, Any], out: Path) -> None:
     for sec in result["speed"]:
         print_speed(sec)
     if result["speed"]:
-        print("  pp1F1B = pipelining Schedule1F1B; A/A pp = the same on a second group of processes (A/A = it over "
+        where = ("the same group of processes (--quick)" if st.get("control_group") == "shared" else
+                 "a second group of processes")
+        print(f"  pp1F1B = pipelining Schedule1F1B; A/A pp = the same on {where} (A/A = it over "
               "pp1F1B: the run's noise); 1F1B, GPipe = rrefpipe train_step 'never'; GP-alw = GPipe 'always'; "
               "pipe() = rrefpipe pipe(x) + pipe.backward ('never', the suite's path; GP/pipe: train_step GPipe over "
               "it); "
@@ -633,7 +640,8 @@ def report(result: dict[str, Any], out: Path) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = new_parser(__doc__, DEFAULT_OUT)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run (< 60 s): the tiny model, 2 stages, m = 8 (interleaved m = 4), 1 round")
+                   help="smoke run (~10 s, 12 CPU-s): the tiny model, 2 stages, m = 8 (interleaved m = 4), 1 "
+                        "round, no untimed run first, the A/A control on pipelining's processes")
     p.add_argument("--models", nargs="*", choices=list(SPECS), default=["mlp", "resnet", "transformer"],
                    help="models of the speed section (none: skip it)")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="speed section stage counts")
@@ -659,6 +667,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.models, args.stages, args.chunks, args.il_models, args.il_chunks = ["tiny"], [2], [8], ["tiny"], [4]
         args.memory_models, args.memory_stages, args.memory_chunks = ["tiny"], [2], [8]
         args.warmup, args.repeats, args.rounds, args.compute_repeats = 1, 2, 1, 1
+    # The A/A control's processes: a second group; --quick runs it on pipelining's group (a smoke run's
+    # ratios mean nothing, and 2 more stage processes cost it a quarter of its CPU time).
+    args.control_group = "shared" if args.quick else "own"
     smallest = min([SPECS[name].batch for name in [*args.models, *args.il_models, *args.memory_models]] or [1 << 30])
     chunks = [*args.chunks, *args.il_chunks, *args.memory_chunks]
     if min(chunks) < max(args.stages) or max(chunks) > smallest or min(args.il_chunks) % (4 // V):
@@ -678,3 +689,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()  # every stage process is closed and the results written
