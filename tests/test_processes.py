@@ -23,6 +23,35 @@ def _values(out: str, key: str) -> list[str]:
     return [line.split("=", 1)[1] for line in out.splitlines() if line.startswith(key + "=")]
 
 
+# Tests whose scenarios neither kill nor stop a process, nor shut RPC down or change its group, share
+# one driver script run (a module-scoped fixture): each scenario is a function whose result is its own
+# line, ``<name>=ok``, or ``<name>=failed`` and its traceback, which only that scenario's test reports.
+_SCENARIO_RUNNER = """
+    import sys, traceback
+    def scenario(fn):
+        try:
+            fn()
+        except Exception:
+            print(f"{fn.__name__}=failed")
+            print("\\n".join(f"{fn.__name__}| {line}" for line in traceback.format_exc().splitlines()))
+        else:
+            print(f"{fn.__name__}=ok")
+        sys.stdout.flush()
+"""
+
+
+def _scenario_passed(proc: subprocess.CompletedProcess[str], name: str, shut_down: bool = True) -> None:
+    """Fail with scenario ``name``'s own traceback unless it passed; ``shut_down``: also with the output
+    unless the shared script exited with 0 (what follows the scenarios, as the group's stop or RPC's
+    shutdown that its own script had ended with: ``run_script`` fails a script of its own so)."""
+    result = _values(proc.stdout, name)
+    if result != ["ok"]:
+        trace = "\n".join(line.split("| ", 1)[1] for line in proc.stdout.splitlines() if line.startswith(name + "| "))
+        pytest.fail(f"scenario {name}: {result or 'no result'}\n{trace}\n--- stderr:\n{proc.stderr[-6000:]}")
+    if shut_down and proc.returncode != 0:
+        pytest.fail(f"the shared script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
 def _wait_until_stuck(marker: Path, driver: subprocess.Popen[str]) -> None:
     """Until a stage wrote ``marker`` (it is about to block for good); fails if the driver dies first."""
     deadline = time.monotonic() + 60
@@ -93,19 +122,6 @@ def test_a_pipe_dropped_without_close_is_closed_by_the_next_one():
     # every round: one stage on each worker (the dropped pipe's are gone), on the same workers
     assert [_values(out.stdout, f"round{k}") for k in range(3)] == [["1,1,True"]] * 3
     assert _values(out.stdout, "gone") == ["True"]
-
-
-def test_importing_rrefpipe_and_the_worker_leaves_torchs_optimizers_alone():
-    """Every local worker imports rrefpipe at start-up: torch.distributed.optim pulls in FSDP, DTensor
-    and sympy (0.7 s a process here; Pipe() started in 1.8 s, now 1.1 s), which only a user who builds
-    a DistributedOptimizer needs, and then imports."""
-    out = run_script("""
-        import sys
-        import rrefpipe, rrefpipe.checkpoint, workers.__main__
-        print("heavy=" + ",".join(m for m in ("torch.distributed.optim", "torch.distributed.fsdp", "sympy")
-                                  if m in sys.modules))
-    """)
-    assert _values(out.stdout, "heavy") == [""]
 
 
 def test_workers_exit_when_the_driver_is_killed():
@@ -240,138 +256,167 @@ def test_dead_worker_is_named_quickly_and_close_returns():
     assert float(_values(out, "closed")[0]) < 15
 
 
-def test_pytorch_18_style_world_size_one_runs_stages_in_process():
-    run_script("""
-        import copy, os, torch, torch.distributed.rpc as rpc
-        from torch import nn
-        from rrefpipe import Pipe
+# -- One interpreter, no stage workers ------------------------------------------------------------
+# The four tests below run no stage worker and kill nothing: their scenarios share one fresh
+# interpreter (one `import torch` instead of four). The import check runs first, before any scenario
+# imports anything; then RPC starts once as a world of one for the three in-process scenarios, which
+# neither shut it down nor change the group (the one that starts a Gloo process group runs last), and
+# it is shut down after them.
+
+
+@pytest.fixture(scope="module")
+def without_workers() -> subprocess.CompletedProcess[str]:
+    """The run of the scenarios of the four tests below, in one fresh interpreter (see above)."""
+    return run_script(textwrap.dedent(_SCENARIO_RUNNER) + textwrap.dedent("""
+        def importing_leaves_torchs_optimizers_alone():
+            import rrefpipe, rrefpipe.checkpoint, workers.__main__
+            print("heavy=" + ",".join(m for m in ("torch.distributed.optim", "torch.distributed.fsdp", "sympy")
+                                      if m in sys.modules))
+
+        def pytorch_18_style():
+            import copy, torch
+            from torch import nn
+            from rrefpipe import Pipe
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+            ref = copy.deepcopy(model)
+            pipe = Pipe(model, chunks=8, balance=[2, 1], checkpoint="always")
+            assert [s.worker for s in pipe.stages] == ["solo", "solo"]
+            assert list(pipe.modules())[1:] == list(model) and pipe.requires_grad_(True) is pipe
+            x = torch.rand(16, 16)
+            out = pipe(x).local_value()
+            out.sum().backward()                      # plain autograd, no context needed
+            ref(x).sum().backward()
+            torch.testing.assert_close(out, ref(x))
+            for p, q in zip(pipe.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            kinds = [e.kind for e in pipe.execution_record()]
+            assert kinds.count("recompute") == 2 * 8, kinds
+            import torch.distributed.autograd as dist_autograd      # or a context, as with stage workers
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, pipe(x).local_value().sum())
+                total = pipe.clip_grad_norm_(ctx, 0.1)
+                grads = dist_autograd.get_gradients(ctx)
+            ref.zero_grad()
+            ref(x).sum().backward()
+            torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+            for p, q in zip(pipe.parameters(), ref.parameters()):
+                torch.testing.assert_close(grads[p], q.grad)
+            from rrefpipe import GradScaler                         # loss scaling in the context, too
+            scaler = GradScaler(pipe, init_scale=8.0)
+            with dist_autograd.context() as ctx:
+                pipe.backward(ctx, scaler.scale(pipe(x).local_value().sum()))
+                scaler.unscale_(ctx)
+                grads = dist_autograd.get_gradients(ctx)
+            ref.zero_grad()
+            ref(x).sum().backward()
+            for p, q in zip(pipe.parameters(), ref.parameters()):
+                torch.testing.assert_close(grads[p], q.grad)
+
+        def unreached_parameters():
+            import torch, torch.nn.functional as F
+            from rrefpipe import Pipe
+            from tests.layers import UNREACHED_CASES, partly_unreached, twin
+            x, y = torch.randn(12, 10), torch.randint(0, 4, (12,))
+            first = lambda out: out[0] if isinstance(out, tuple) else out
+            for case in UNREACHED_CASES:
+                for checkpoint in ("always", "never"):
+                    model, balance = partly_unreached(case)
+                    ref = twin(model)
+                    F.cross_entropy(first(ref(x)), y).backward()
+                    pipe = Pipe(model, chunks=3, balance=balance, checkpoint=checkpoint)
+                    F.cross_entropy(first(pipe(x).local_value()), y).backward()
+                    pairs = list(zip(pipe.parameters(), ref.parameters()))
+                    assert any(q.grad is None for _, q in pairs) and any(q.grad is not None for _, q in pairs)
+                    for p, q in pairs:
+                        assert (p.grad is None) == (q.grad is None), (case, checkpoint)
+                        if q.grad is not None:
+                            torch.testing.assert_close(p.grad, q.grad)
+
+        def module_like_pytorchs():
+            import copy, pytest, torch, torch.distributed as dist
+            from torch import nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from rrefpipe import Pipe
+            from tests.layers import Parent
+            from workers import free_port
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+            plain = copy.deepcopy(model)
+            pipe = Pipe(model, chunks=2, balance=[2, 1], checkpoint="never")
+            assert len(pipe) == 3 and pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)
+            assert pipe.devices == [torch.device("cpu")] * 2 and [len(p) for p in pipe.partitions] == [2, 1]
+            assert list(pipe.state_dict()) == list(plain.state_dict())
+            for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu"), lambda: pipe.to(torch.zeros(1))):
+                with pytest.raises(TypeError, match="cannot be moved"):
+                    move()
+            assert pipe.to(torch.float64) is pipe and model[0].weight.dtype == torch.float64  # a dtype is no move
+            assert pipe.float() is pipe and model[0].weight.dtype == torch.float32
+            assert pipe.to(torch.float32, True) is pipe  # to(dtype, non_blocking), as nn.Module takes it
+            assert pipe.to(memory_format=torch.channels_last) is pipe  # (no 4-D weights here: nothing changes)
+            parent = Parent(pipe, width=6)
+            assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
+            new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
+            parent.load_state_dict(new)
+            for k, v in pipe.state_dict().items():
+                torch.testing.assert_close(v, new["pipe." + k])
+            with pytest.raises(RuntimeError, match='Missing key.*"pipe.2.bias"'):
+                parent.load_state_dict({k: v for k, v in new.items() if k != "pipe.2.bias"})
+
+            ddp = DDP(pipe)
+            assert list(ddp.state_dict()) == ["module." + k for k in plain.state_dict()]
+            plain.load_state_dict(pipe.state_dict())
+            x = torch.randn(4, 6)
+            ddp(x).local_value().sum().backward()
+            plain(x).sum().backward()
+            for p, q in zip(pipe.parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            with pytest.warns(UserWarning, match="no BatchNorm layers"):
+                Pipe(nn.Sequential(nn.Linear(2, 2)), deferred_batch_norm=True)
+            with pytest.warns(UserWarning, match="no BatchNorm layers.*tracks running statistics"):
+                Pipe(nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)), deferred_batch_norm=True)
+            pipe.close()
+            with pytest.raises(RuntimeError, match="closed"):
+                pipe(x)
+            assert list(pipe.state_dict()) == list(plain.state_dict())  # the layers are still the pipe's
+            dist.destroy_process_group()
+
+        scenario(importing_leaves_torchs_optimizers_alone)  # first: nothing else imported yet
+        import torch.distributed.rpc as rpc
         from workers import free_port
         rpc.init_rpc("solo", rank=0, world_size=1,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-        ref = copy.deepcopy(model)
-        pipe = Pipe(model, chunks=8, balance=[2, 1], checkpoint="always")
-        assert [s.worker for s in pipe.stages] == ["solo", "solo"]
-        assert list(pipe.modules())[1:] == list(model) and pipe.requires_grad_(True) is pipe
-        x = torch.rand(16, 16)
-        out = pipe(x).local_value()
-        out.sum().backward()                      # plain autograd, no context needed
-        ref(x).sum().backward()
-        torch.testing.assert_close(out, ref(x))
-        for p, q in zip(pipe.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
-        kinds = [e.kind for e in pipe.execution_record()]
-        assert kinds.count("recompute") == 2 * 8, kinds
-        import torch.distributed.autograd as dist_autograd      # or a context, as with stage workers
-        with dist_autograd.context() as ctx:
-            pipe.backward(ctx, pipe(x).local_value().sum())
-            total = pipe.clip_grad_norm_(ctx, 0.1)
-            grads = dist_autograd.get_gradients(ctx)
-        ref.zero_grad()
-        ref(x).sum().backward()
-        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
-        for p, q in zip(pipe.parameters(), ref.parameters()):
-            torch.testing.assert_close(grads[p], q.grad)
-        from rrefpipe import GradScaler                         # loss scaling in the context, too
-        scaler = GradScaler(pipe, init_scale=8.0)
-        with dist_autograd.context() as ctx:
-            pipe.backward(ctx, scaler.scale(pipe(x).local_value().sum()))
-            scaler.unscale_(ctx)
-            grads = dist_autograd.get_gradients(ctx)
-        ref.zero_grad()
-        ref(x).sum().backward()
-        for p, q in zip(pipe.parameters(), ref.parameters()):
-            torch.testing.assert_close(grads[p], q.grad)
+        scenario(pytorch_18_style)
+        scenario(unreached_parameters)
+        scenario(module_like_pytorchs)
         rpc.shutdown()
-    """)
+    """), check=False)
 
 
-def test_world_size_one_gives_no_gradient_to_parameters_the_loss_does_not_reach():
+def test_importing_rrefpipe_and_the_worker_leaves_torchs_optimizers_alone(without_workers):
+    """Every local worker imports rrefpipe at start-up: torch.distributed.optim pulls in FSDP, DTensor
+    and sympy (0.7 s a process here; Pipe() started in 1.8 s, now 1.1 s), which only a user who builds
+    a DistributedOptimizer needs, and then imports."""
+    _scenario_passed(without_workers, "importing_leaves_torchs_optimizers_alone", shut_down=False)
+    assert _values(without_workers.stdout, "heavy") == [""]
+
+
+def test_pytorch_18_style_world_size_one_runs_stages_in_process(without_workers):
+    _scenario_passed(without_workers, "pytorch_18_style")
+
+
+def test_world_size_one_gives_no_gradient_to_parameters_the_loss_does_not_reach(without_workers):
     """As with stage workers (tests/distributed/test_training.py): the in-process stages' marker and join
     nodes had handed the layers before an unused tensor zeros."""
-    run_script("""
-        import torch, torch.distributed.rpc as rpc, torch.nn.functional as F
-        from rrefpipe import Pipe
-        from tests.layers import UNREACHED_CASES, partly_unreached, twin
-        from workers import free_port
-        rpc.init_rpc("solo", rank=0, world_size=1,
-                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
-        x, y = torch.randn(12, 10), torch.randint(0, 4, (12,))
-        first = lambda out: out[0] if isinstance(out, tuple) else out
-        for case in UNREACHED_CASES:
-            for checkpoint in ("always", "never"):
-                model, balance = partly_unreached(case)
-                ref = twin(model)
-                F.cross_entropy(first(ref(x)), y).backward()
-                pipe = Pipe(model, chunks=3, balance=balance, checkpoint=checkpoint)
-                F.cross_entropy(first(pipe(x).local_value()), y).backward()
-                pairs = list(zip(pipe.parameters(), ref.parameters()))
-                assert any(q.grad is None for _, q in pairs) and any(q.grad is not None for _, q in pairs)
-                for p, q in pairs:
-                    assert (p.grad is None) == (q.grad is None), (case, checkpoint)
-                    if q.grad is not None:
-                        torch.testing.assert_close(p.grad, q.grad)
-        rpc.shutdown()
-    """)
+    _scenario_passed(without_workers, "unreached_parameters")
 
 
-def test_world_size_one_pipe_is_a_module_like_pytorchs():
+def test_world_size_one_pipe_is_a_module_like_pytorchs(without_workers):
     """What code for PyTorch's Pipe does with it in a world of one: index and iterate its layers, read
     its devices, wrap it in DDP (checkpoint='never') or in a parent module and save and load their state
     dicts with the plain keys under the parent's prefix; moving it is refused, as there, a dtype is not."""
-    run_script("""
-        import copy, os, warnings, pytest, torch, torch.distributed as dist, torch.distributed.rpc as rpc
-        from torch import nn
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        from rrefpipe import Pipe
-        from tests.layers import Parent
-        from workers import free_port
-        rpc.init_rpc("solo", rank=0, world_size=1,
-                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
-        plain = copy.deepcopy(model)
-        pipe = Pipe(model, chunks=2, balance=[2, 1], checkpoint="never")
-        assert len(pipe) == 3 and pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)
-        assert pipe.devices == [torch.device("cpu")] * 2 and [len(p) for p in pipe.partitions] == [2, 1]
-        assert list(pipe.state_dict()) == list(plain.state_dict())
-        for move in (pipe.cuda, pipe.cpu, lambda: pipe.to("cpu"), lambda: pipe.to(torch.zeros(1))):
-            with pytest.raises(TypeError, match="cannot be moved"):
-                move()
-        assert pipe.to(torch.float64) is pipe and model[0].weight.dtype == torch.float64  # a dtype is no move
-        assert pipe.float() is pipe and model[0].weight.dtype == torch.float32
-        assert pipe.to(torch.float32, True) is pipe  # to(dtype, non_blocking), as nn.Module takes it
-        assert pipe.to(memory_format=torch.channels_last) is pipe  # (no 4-D weights here: nothing changes)
-        parent = Parent(pipe, width=6)
-        assert list(parent.state_dict()) == ["head.weight", "head.bias"] + ["pipe." + k for k in plain.state_dict()]
-        new = {k: torch.randn_like(v) for k, v in parent.state_dict().items()}
-        parent.load_state_dict(new)
-        for k, v in pipe.state_dict().items():
-            torch.testing.assert_close(v, new["pipe." + k])
-        with pytest.raises(RuntimeError, match='Missing key.*"pipe.2.bias"'):
-            parent.load_state_dict({k: v for k, v in new.items() if k != "pipe.2.bias"})
-
-        ddp = DDP(pipe)
-        assert list(ddp.state_dict()) == ["module." + k for k in plain.state_dict()]
-        plain.load_state_dict(pipe.state_dict())
-        x = torch.randn(4, 6)
-        ddp(x).local_value().sum().backward()
-        plain(x).sum().backward()
-        for p, q in zip(pipe.parameters(), plain.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
-        with pytest.warns(UserWarning, match="no BatchNorm layers"):
-            Pipe(nn.Sequential(nn.Linear(2, 2)), deferred_batch_norm=True)
-        with pytest.warns(UserWarning, match="no BatchNorm layers.*tracks running statistics"):
-            Pipe(nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)), deferred_batch_norm=True)
-        pipe.close()
-        with pytest.raises(RuntimeError, match="closed"):
-            pipe(x)
-        assert list(pipe.state_dict()) == list(plain.state_dict())  # the layers are still the pipe's
-        dist.destroy_process_group()
-        rpc.shutdown()
-    """)
+    _scenario_passed(without_workers, "module_like_pytorchs")
 
 
 def test_worker_cli_under_torchrun_environment():
@@ -402,36 +447,6 @@ def test_worker_cli_under_torchrun_environment():
     finally:
         for proc in procs:
             proc.kill()
-
-
-def test_layers_and_factories_defined_in_the_users_script():
-    """Classes in the driver's __main__ and lambdas reach the workers (sent by value)."""
-    run_script("""
-        import torch
-        from torch import nn
-        from rrefpipe import Pipe
-        from rrefpipe.skip import pop, skippable, stash
-
-        @skippable(stash=["s"])
-        class Keep(nn.Module):
-            def forward(self, x):
-                yield stash("s", x)
-                return x * 3
-
-        @skippable(pop=["s"])
-        class Add(nn.Module):
-            def forward(self, x):
-                s = yield pop("s")
-                return x + s
-
-        model = nn.Sequential(Keep(), nn.Linear(2, 2), Add())
-        with Pipe(model, chunks=2, balance=[1, 1, 1]) as pipe, torch.no_grad():
-            x = torch.randn(4, 2)
-            torch.testing.assert_close(pipe(x).local_value(), model(x))
-        with Pipe.from_factories([lambda: nn.Linear(2, 3), lambda: nn.Tanh()], chunks=2) as pipe:
-            assert [len(s.layers) for s in pipe.stages] == [1, 1]
-            assert pipe(torch.randn(4, 2)).local_value().shape == (4, 3)
-    """)
 
 
 def test_local_workers_import_modules_beside_the_users_script(tmp_path):
@@ -525,7 +540,57 @@ def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, w
     wait_gone(pids, within=5)
 
 
-def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():
+@pytest.fixture(scope="module")
+def one_local_group() -> subprocess.CompletedProcess[str]:
+    """The scenarios of the two tests below, in one fresh driver with one group of two local workers
+    that it starts first (the largest group of the process): neither scenario stops, kills or adds a
+    worker or shuts RPC down, and each closes its pipes. The group is stopped after both."""
+    return run_script(textwrap.dedent(_SCENARIO_RUNNER) + textwrap.dedent("""
+        import torch, torch.distributed.autograd as dist_autograd
+        from torch import nn
+        from torch.distributed.optim import DistributedOptimizer
+        from rrefpipe import Pipe
+        from rrefpipe.skip import pop, skippable, stash
+        from workers import LocalWorkers
+
+        def largest_group_first_trains():
+            model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+            for balance in ([3], [2, 1]):
+                with Pipe(model, chunks=2, balance=balance, workers=group.names[:len(balance)]) as pipe:
+                    opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
+                    with dist_autograd.context() as ctx:
+                        pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
+                        opt.step(ctx)
+
+        @skippable(stash=["s"])
+        class Keep(nn.Module):
+            def forward(self, x):
+                yield stash("s", x)
+                return x * 3
+
+        @skippable(pop=["s"])
+        class Add(nn.Module):
+            def forward(self, x):
+                s = yield pop("s")
+                return x + s
+
+        def layers_and_factories_of_the_script():
+            model = nn.Sequential(Keep(), nn.Linear(2, 2), Add())
+            with Pipe(model, chunks=2, balance=[1, 2], workers=group.names) as pipe, torch.no_grad():
+                x = torch.randn(4, 2)
+                torch.testing.assert_close(pipe(x).local_value(), model(x))
+            with Pipe.from_factories([lambda: nn.Linear(2, 3), lambda: nn.Tanh()], chunks=2,
+                                     workers=group.names) as pipe:
+                assert [len(s.layers) for s in pipe.stages] == [1, 1]
+                assert pipe(torch.randn(4, 2)).local_value().shape == (4, 3)
+
+        with LocalWorkers(2) as group:
+            scenario(largest_group_first_trains)
+            scenario(layers_and_factories_of_the_script)
+    """), check=False)
+
+
+def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working(one_local_group):
     """torch's RRef context keeps the process's first RPC group: RRefs owned by workers beyond it fail
     with "could not find destination id"; parameter_rrefs() says why and what to do, and a shared
     group started at the largest size first trains."""
@@ -545,21 +610,13 @@ def test_a_larger_group_after_a_smaller_one_says_how_to_keep_rrefs_working():
                 print("refused=" + str("largest group first" in str(exc)))
     """).stdout
     assert _values(out, "refused") == ["True"]
-    run_script("""
-        import torch, torch.distributed.autograd as dist_autograd
-        from torch import nn
-        from torch.distributed.optim import DistributedOptimizer
-        from rrefpipe import Pipe
-        from workers import LocalWorkers
-        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
-        with LocalWorkers(2) as group:
-            for balance in ([3], [2, 1]):
-                with Pipe(model, chunks=2, balance=balance, workers=group.names[:len(balance)]) as pipe:
-                    opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
-                    with dist_autograd.context() as ctx:
-                        pipe.backward(ctx, pipe(torch.randn(4, 4)).local_value().sum())
-                        opt.step(ctx)
-    """)
+    _scenario_passed(one_local_group, "largest_group_first_trains")
+
+
+def test_layers_and_factories_defined_in_the_users_script(one_local_group):
+    """Classes in the driver's __main__ and lambdas reach the workers (sent by value): the two local
+    workers of the shared driver above, the skip's stash and pop on their two stages."""
+    _scenario_passed(one_local_group, "layers_and_factories_of_the_script")
 
 
 def test_close_is_prompt_with_a_forked_child_or_after_the_user_shut_rpc_down():

@@ -18,24 +18,86 @@ def _values(out: str, key: str) -> list[str]:
     return [line.split("=", 1)[1] for line in out.splitlines() if line.startswith(key + "=")]
 
 
-@pytest.mark.timeout(120)
-def test_workers_stay_with_a_driver_that_holds_the_gil():
-    """A live driver in a long C call that keeps the GIL answers no ping: 24 s is well over two ping
-    timeouts in a row, after which workers used to leave. Its store and stdin pipe say it is alive."""
-    out = run_script("""
-        import ctypes, torch
+@pytest.fixture(scope="module")
+def gil_holding_driver() -> subprocess.CompletedProcess[str]:
+    """One driver for two tests: the loopback one reads which addresses the driver and its local
+    workers listen on, once the group is up and again after the first forward (it only reads /proc),
+    before the driver holds the GIL for 24 s and then checks its workers. A failed reading is printed,
+    not raised: the GIL scenario goes on, and only the loopback test misses its line."""
+    return run_script("""
+        import ctypes, os, traceback, torch
         from torch import nn
         from rrefpipe import Pipe
         from tests.conftest import pid_alive
+
+        def sockets(pid):
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except FileNotFoundError:  # closed since the listing (a thread of that process)
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            return inodes
+
+        def listening(pids):
+            ours = set().union(*(sockets(pid) for pid in pids))
+            found = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                for line in open(table).read().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in ours:  # LISTEN, on a socket of these processes
+                        found.append(fields[1].rsplit(":", 1)[0])
+            return found
+
+        def read_addresses(pipe, into):
+            try:
+                into.update(listening([os.getpid(), *pipe._local_workers.pids]))
+                return True
+            except Exception:
+                traceback.print_exc()
+                return False
+
         with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=1, balance=[1, 1]) as pipe:
+            addresses = set()
+            read = read_addresses(pipe, addresses)   # the group just started
             with torch.no_grad():
                 pipe(torch.randn(2, 4))
+            if read_addresses(pipe, addresses) and read:   # and after a forward
+                print("addresses=" + ",".join(sorted(addresses)), flush=True)
             ctypes.PyDLL(None).sleep(24)   # libc's sleep, called with the GIL held
             print("alive=" + str(all(pid_alive(p) for p in pipe._local_workers.pids)))
             with torch.no_grad():
                 print("shape=" + str(tuple(pipe(torch.randn(2, 4)).local_value().shape)))
-    """, timeout=110)
+    """, timeout=110, check=False)
+
+
+def _succeeded(proc: subprocess.CompletedProcess[str]) -> None:
+    if proc.returncode != 0:
+        pytest.fail(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.timeout(120)
+def test_workers_stay_with_a_driver_that_holds_the_gil(gil_holding_driver):
+    """A live driver in a long C call that keeps the GIL answers no ping: 24 s is well over two ping
+    timeouts in a row, after which workers used to leave. Its store and stdin pipe say it is alive.
+    (The workers' ping interval, 2 s with a 5 s timeout, is no option of local workers: the 24 s stay.)"""
+    out = gil_holding_driver
+    _succeeded(out)
     assert _values(out.stdout, "alive") == ["True"] and _values(out.stdout, "shape") == ["(2, 4)"]
+
+
+@pytest.mark.timeout(120)
+def test_local_workers_listen_on_loopback_only(gil_holding_driver):
+    """Every socket the driver and its local workers listen on is bound to 127.0.0.1: the rendezvous
+    store's too, which torch's TCPStore binds to every interface whatever address it is given.
+    (Read in the driver of the GIL test above, which the reading leaves alone.)"""
+    out = gil_holding_driver
+    _succeeded(out)
+    assert _values(out.stdout, "addresses"), out.stderr[-6000:]
+    addresses = _values(out.stdout, "addresses")[0].split(",")
+    assert addresses == ["0100007F"], addresses  # 127.0.0.1 as /proc/net/tcp writes it; never 0.0.0.0
 
 
 @pytest.mark.timeout(120)
@@ -118,7 +180,8 @@ def test_the_users_own_group_after_rpc_shutdown_is_not_taken_for_the_embedded_on
 @pytest.mark.timeout(120)
 def test_a_dead_worker_of_an_open_pipe_is_named_until_that_pipe_is_closed():
     """A pipe built while another open pipe's worker is dead says which one and what to do; once that
-    pipe is closed, or dropped without ``close()``, the next pipe starts new workers."""
+    pipe is closed, or dropped without ``close()``, the next pipe starts new workers. The pipe built
+    after the close is the one whose worker dies next and that is dropped: three groups, not four."""
     out = run_script("""
         import gc, os, signal, torch
         from torch import nn
@@ -137,10 +200,10 @@ def test_a_dead_worker_of_an_open_pipe_is_named_until_that_pipe_is_closed():
         except ValueError as exc:
             print("error=" + str(exc))
         pipe.close()
-        with Pipe(model, chunks=1, balance=[1, 1]) as pipe, torch.no_grad():
-            print("closed_then=" + str(tuple(pipe(x).local_value().shape)))
         pipe = Pipe(model, chunks=1, balance=[1, 1])
-        kill_worker2(pipe)
+        with torch.no_grad():
+            print("closed_then=" + str(tuple(pipe(x).local_value().shape)))
+        kill_worker2(pipe)   # the same again with this pipe's workers, which it then drops
         del pipe
         gc.collect()
         with Pipe(model, chunks=1, balance=[1, 1]) as pipe, torch.no_grad():
@@ -177,42 +240,6 @@ def test_a_worker_joined_by_a_driver_of_another_name_says_which_option_to_use():
         for proc in (worker, driver):
             proc.kill()
             proc.wait(timeout=10)
-
-
-@pytest.mark.timeout(120)
-def test_local_workers_listen_on_loopback_only():
-    """Every socket the driver and its local workers listen on is bound to 127.0.0.1: the rendezvous
-    store's too, which torch's TCPStore binds to every interface whatever address it is given."""
-    out = run_script("""
-        import os
-        from workers import LocalWorkers
-
-        def sockets(pid):
-            inodes = set()
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except FileNotFoundError:  # closed since the listing (a thread of that process)
-                    continue
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-            return inodes
-
-        def listening(pids):
-            ours = set().union(*(sockets(pid) for pid in pids))
-            found = []
-            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-                for line in open(table).read().splitlines()[1:]:
-                    fields = line.split()
-                    if fields[3] == "0A" and fields[9] in ours:  # LISTEN, on a socket of these processes
-                        found.append(fields[1].rsplit(":", 1)[0])
-            return found
-
-        with LocalWorkers(2, threads=1) as group:
-            print("addresses=" + ",".join(sorted(set(listening([os.getpid(), *group.pids])))))
-    """, timeout=110)
-    addresses = _values(out.stdout, "addresses")[0].split(",")
-    assert addresses == ["0100007F"], addresses  # 127.0.0.1 as /proc/net/tcp writes it; never 0.0.0.0
 
 
 def test_a_store_server_that_takes_no_socket_is_asked_again_without_libuv(monkeypatch):
