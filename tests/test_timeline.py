@@ -95,7 +95,7 @@ def test_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no events"):
         write_timeline([], tmp_path / "empty")
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
-    with pytest.raises(ImportError, match=r"rrefpipe\[plot\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib \(in a checkout: pip install -e '\.\[plot\]'\)"):
         plot_timeline(gpipe_events(), tmp_path / "x.png")
     assert chrome_trace(gpipe_events())["traceEvents"]  # the JSON needs no matplotlib
 
