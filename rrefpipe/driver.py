@@ -109,6 +109,12 @@ def _send_copy(t: Tensor) -> Tensor:
     return t.clone() if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes else t
 
 
+def _ended_contexts(by_context: dict[int, Any], current: int) -> list[int]:
+    """The contexts ``by_context`` keeps something for that distributed autograd has let go of (other
+    than ``current``): what the driver's per-context records drop, as contexts end without telling it."""
+    return [c for c in by_context if c != current and not _rpc.context_exists(c)]
+
+
 class RemoteDriver:
     """Places a pipe's stages on RPC workers and runs forward passes through them."""
 
@@ -170,7 +176,7 @@ class RemoteDriver:
         (summing the copies again would count the earlier sum once per copy); the sums are kept here
         (CPU copies) until the context ends. Gradients rewritten in between (clipping, unscaling) are
         not seen: clip and unscale after the context's last step."""
-        for ended in [c for c in self._tied_totals if c != context_id and not _rpc.context_exists(c)]:
+        for ended in _ended_contexts(self._tied_totals, context_id):
             del self._tied_totals[ended]
         previous = self._tied_totals.pop(context_id, {})
         names: dict[int, list[str]] = {}
@@ -456,7 +462,7 @@ class RemoteDriver:
         context; an optimizer step on a context that ended without it moved this replica apart from the
         others. ``DistributedDataParallel.no_sync`` does not check; this check costs nothing, but sees it
         only afterwards, at the next step."""
-        for ended in [c for c in self._unaveraged if c != context_id and not _rpc.context_exists(c)]:
+        for ended in _ended_contexts(self._unaveraged, context_id):
             rows = self._unaveraged.pop(ended)
             warn_user(f"autograd context {ended} ended holding gradients of {rows} rows that train_step left under "
                       "pipe.no_sync(), which no later step in that context averaged over the replicas: an optimizer "
