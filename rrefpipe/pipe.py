@@ -448,12 +448,10 @@ class Pipe(nn.Module):
                 loss_fn = StructuredLoss(loss_fn, self._captured.outputs)
         if placement.abandoned:
             placement.release(placement.close_abandoned())
-        spread = self.call_style == "2.x"
-        if isinstance(self._driver, RemoteDriver):  # (in one process there are no replicas to average over)
-            return self._driver.train_step(context_id, input, target, loss_fn, training=self.training, spread=spread,
-                                           loss_scale=scale, average=self._averaging)
-        return self._driver.train_step(context_id, input, target, loss_fn, training=self.training, spread=spread,
-                                       loss_scale=scale)
+        # (in one process there are no replicas to average over)
+        averaging = {"average": self._averaging} if isinstance(self._driver, RemoteDriver) else {}
+        return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
+                                       spread=self.call_style == "2.x", loss_scale=scale, **averaging)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])`` (``loss``: a tensor or a list of them), and what it
