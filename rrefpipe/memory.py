@@ -13,7 +13,8 @@ Tracking is process-wide and runs *on the worker*: the driver asks each stage wo
 (every storage once, parameters and buffers left out), and the inputs that checkpointing keeps in place
 of the activations of a checkpointed micro-batch. The activations a checkpointed micro-batch recomputes
 live only around its backward (on a stage that recomputes ahead, from when the stage starts waiting for
-that gradient: one micro-batch at a time) and are not counted.
+that gradient: one micro-batch at a time) and are not counted. Under a schedule that splits backward,
+the gradients its first half keeps for the second are counted too (:func:`count_kept`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from torch.nn.modules import module as module_hooks
 from . import _rpc
 from .balance.profile import storage_bytes, storage_key
 
-__all__ = ["MemoryReport", "start_tracking", "stop_tracking", "local_report", "track_workers", "worker_reports",
+__all__ = ["MemoryReport", "start_tracking", "stop_tracking", "count_kept", "local_report", "track_workers", "worker_reports",
            "format_bytes"]
 
 StorageKey = tuple[str, int]
@@ -169,6 +170,15 @@ def start_tracking() -> None:
     else:
         with _tracker.lock:
             _tracker.peak = _tracker.now
+
+
+def count_kept(tensors: list[Tensor]) -> None:
+    """Count ``tensors`` as kept for backward while they live, where autograd does not save them: the
+    gradients a split backward keeps between its halves (:mod:`rrefpipe.backward_split`)."""
+    tracker = _tracker
+    if tracker is not None:
+        for t in tensors:
+            tracker._keep(t, storage_key(t), storage_bytes(t))
 
 
 def stop_tracking() -> None:
