@@ -75,8 +75,9 @@ def _timeline_parser(sub: argparse._SubParsersAction) -> None:
                    "case), the loss on the last stage; without it, each step is pipe(x) and pipe.backward, "
                    "which run GPipe's order")
     p.add_argument("--stages-per-worker", type=int, default=1,
-                   help="stages on each worker, for --schedule Interleaved1F1B: stage j runs on worker "
-                   "j mod (STAGES / STAGES_PER_WORKER) (default: %(default)s)")
+                   help="stages on each worker, for --schedule Interleaved1F1B or InterleavedZeroBubble (stage j "
+                   "runs on worker j mod (STAGES / STAGES_PER_WORKER)), ZBVZeroBubble or DualPipeV (2, in a V) "
+                   "(default: %(default)s)")
 
 
 def _schedule(name: str) -> str:
@@ -89,7 +90,8 @@ def _schedule(name: str) -> str:
 def _check_timeline(args: argparse.Namespace) -> None:
     """Refuse a pipe the schedule cannot run before any worker starts, saying what to change."""
     if args.stages_per_worker != 1 and args.schedule is None:
-        raise ValueError(f"--stages-per-worker {args.stages_per_worker} needs --schedule Interleaved1F1B")
+        raise ValueError(f"--stages-per-worker {args.stages_per_worker} needs --schedule Interleaved1F1B, "
+                         "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV")
     if args.schedule is not None:
         check_schedule(args.schedule, args.stages, args.chunks, args.stages_per_worker)
 

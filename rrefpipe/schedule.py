@@ -19,11 +19,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["CHECKPOINT_MODES", "checkpoint_stop", "clock_cycles", "ideal_efficiency",
-           "SCHEDULES", "Action", "Simulation", "parse_schedule", "check_schedule", "stage_worker", "worker_orders",
+           "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "Action", "Simulation", "parse_schedule", "is_split",
+           "is_v_shaped", "check_schedule", "stage_layout", "stage_worker", "worker_orders",
            "check_orders", "peak_in_flight", "simulate", "format_orders"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch.distributed.pipelining's names
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV")  # torch.distributed.pipelining's names
+#: The schedules whose backward is split in two actions: ``I`` (the inputs' gradient) and ``W`` (the weights').
+SPLIT_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: The schedules that place two stages on each worker in a V (see ``stage_layout``).
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
@@ -85,10 +91,54 @@ def parse_schedule(name: str) -> str:
     return names[name.lower()]
 
 
-def stage_worker(j: int, stages: int, stages_per_worker: int = 1) -> int:
-    """The worker of stage ``j``: ``j mod (n / v)``, Megatron's layout, so that every worker's stages
-    are a full pipeline length apart and a micro-batch visits each worker once per round."""
+def is_split(schedule: str) -> bool:
+    """Whether ``schedule`` splits backward into ``I`` (inputs' gradient) and ``W`` (weights' gradient)."""
+    return parse_schedule(schedule) in SPLIT_SCHEDULES
+
+
+def is_v_shaped(schedule: str) -> bool:
+    """Whether ``schedule`` places its stages in a V (two per worker, see ``stage_layout``)."""
+    return parse_schedule(schedule) in V_SCHEDULES
+
+
+def stage_layout(schedule: str, stages: int, stages_per_worker: int = 1) -> list[int]:
+    """The worker index of each stage under ``schedule``.
+
+    The loop layout (every schedule but the V-shaped ones): stage j on worker ``j mod p``, p = n / v
+    workers (Megatron's), so that a worker's stages are a full pipeline length apart and a micro-batch
+    visits each worker once per round. The V layout (``ZBVZeroBubble``, ``DualPipeV``; v = 2): stage j
+    on worker j for j < p and on worker ``2p - 1 - j`` after, so that worker 0 holds the first and the
+    last stage and the micro-batches go down the workers and back up; a worker's two stages then need
+    about as many micro-batches in flight together as any other worker's (the first stages need the
+    most, the last the fewest), and the last stage's output turns into the first gradient on the worker
+    that will need it last. Raises ValueError where the arguments do not fit (see ``check_schedule``).
+    """
+    name = parse_schedule(schedule)
+    if name in V_SCHEDULES:
+        _check_v(name, stages, stages_per_worker)
+        p = stages // 2
+        return [j if j < p else 2 * p - 1 - j for j in range(stages)]
+    _check_layout(stages, stages_per_worker)
+    p = stages // stages_per_worker
+    return [j % p for j in range(stages)]
+
+
+def stage_worker(j: int, stages: int, stages_per_worker: int = 1, schedule: str | None = None) -> int:
+    """The worker of stage ``j``: ``stage_layout(schedule, stages, stages_per_worker)[j]``; without a
+    V-shaped ``schedule``, ``j mod (n / v)``, Megatron's layout."""
+    if schedule is not None and is_v_shaped(schedule):
+        return stage_layout(schedule, stages, stages_per_worker)[j]
     return j % (stages // stages_per_worker)
+
+
+def _check_v(name: str, stages: int, stages_per_worker: int) -> None:
+    """A V-shaped schedule puts exactly two stages on each worker, so the stage count is even."""
+    if stages_per_worker != 2:
+        raise ValueError(f"{name} puts two stages on each worker in a V (worker r runs stages r and "
+                         f"2p - 1 - r): use stages_per_worker=2, got {stages_per_worker}")
+    if stages % 2:
+        raise ValueError(f"{name} puts two stages on each worker in a V, so the stage count must be even, "
+                         f"got stages={stages}: use stages={stages + 1}" + (f" or {stages - 1}" if stages > 1 else ""))
 
 
 def _check_layout(stages: int, stages_per_worker: int) -> None:
@@ -100,22 +150,35 @@ def _check_layout(stages: int, stages_per_worker: int) -> None:
 
 
 def check_schedule(schedule: str, stages: int, chunks: int, stages_per_worker: int) -> str:
-    """The canonical schedule name once the arguments fit it; a ValueError saying what to change."""
+    """The canonical schedule name once the arguments fit it; a ValueError saying what to change.
+
+    GPipe and 1F1B run one stage per worker; Interleaved1F1B and InterleavedZeroBubble any number v
+    dividing the stage count (InterleavedZeroBubble with v = 1 is the paper's ZB-H1); the V-shaped
+    ZBVZeroBubble and DualPipeV exactly two, so an even stage count. Interleaved1F1B needs chunks a
+    multiple of the worker count, DualPipeV at least as many micro-batches as stages."""
     name = parse_schedule(schedule)
     if stages < 1 or chunks < 1:
         raise ValueError(f"a schedule needs at least one stage and one micro-batch, got stages={stages}, "
                          f"chunks={chunks}")
     v = stages_per_worker
+    if name in V_SCHEDULES:
+        _check_v(name, stages, v)
     _check_layout(stages, v)
-    if v > 1 and name != "Interleaved1F1B":
-        raise ValueError(f"stages_per_worker={v} needs schedule='Interleaved1F1B'; {name} runs one stage per "
-                         f"worker (use stages_per_worker=1)")
+    if v > 1 and name in ("GPipe", "1F1B"):
+        raise ValueError(f"stages_per_worker={v} needs a schedule that runs several stages on a worker: "
+                         f"schedule='Interleaved1F1B' or 'InterleavedZeroBubble' (any divisor of the stage "
+                         f"count), 'ZBVZeroBubble' or 'DualPipeV' (2); {name} runs one stage per worker (use "
+                         f"stages_per_worker=1)")
     p = stages // v
     if name == "Interleaved1F1B" and chunks % p:
         lower, upper = chunks // p * p, (chunks // p + 1) * p
         raise ValueError(f"Interleaved1F1B runs micro-batches in rounds of the worker count ({p} = {stages} "
                          f"stages / {v} per worker), so chunks must be a multiple of {p}, got {chunks}: use "
                          f"chunks={upper}" + (f" or {lower}" if lower else ""))
+    if name == "DualPipeV" and chunks < stages:
+        raise ValueError(f"too few micro-batches for DualPipeV: chunks >= {stages} (the stage count; each "
+                         f"worker's steady phase pairs a forward of one of its stages with a backward of the "
+                         f"other, which needs the pipeline full both ways), got chunks={chunks}")
     return name
 
 
@@ -151,6 +214,8 @@ def worker_orders(schedule: str, stages: int, chunks: int, stages_per_worker: in
                 for j in range(n)]
     if name == "1F1B":
         return [_one_f_one_b(m, j, warmup=min(n - j, m)) for j in range(n)]
+    if name != "Interleaved1F1B":
+        raise NotImplementedError(f"{name}'s orders are not written yet")
     return [_interleaved(m, stages_per_worker, n // stages_per_worker, r) for r in range(n // stages_per_worker)]
 
 

@@ -41,7 +41,7 @@ def test_schedule_is_read_in_any_case_and_defaults_to_the_pipe_x_path():
 
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "Interleaved1F1B", "--stages", "3", "--chunks", "4"], "chunks must be a multiple of 3"),
-    (["--schedule", "1F1B", "--stages", "4", "--stages-per-worker", "2"], "needs schedule='Interleaved1F1B'"),
+    (["--schedule", "1F1B", "--stages", "4", "--stages-per-worker", "2"], "schedule='Interleaved1F1B' or 'InterleavedZeroBubble'"),
     (["--stages-per-worker", "2", "--stages", "4"], "--stages-per-worker 2 needs --schedule Interleaved1F1B"),
     (["--schedule", "PipeDream"], "schedule must be one of GPipe, 1F1B, Interleaved1F1B"),
 ])

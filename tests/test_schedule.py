@@ -64,7 +64,8 @@ def test_unknown_schedule_names_the_choices():
     (("1F1B", 2, 0), "got stages=2, chunks=0"),
     (("Interleaved1F1B", 4, 4, 3), r"stages_per_worker=3 must be a positive divisor .* \[1, 2, 4\]"),
     (("Interleaved1F1B", 4, 4, 0), "stages_per_worker=0 must be a positive divisor"),
-    (("1F1B", 4, 4, 2), "stages_per_worker=2 needs schedule='Interleaved1F1B'; 1F1B runs one stage"),
+    (("1F1B", 4, 4, 2), "stages_per_worker=2 needs a schedule that runs several stages on a worker: "
+                        "schedule='Interleaved1F1B' or 'InterleavedZeroBubble'.*; 1F1B runs one stage"),
     (("gpipe", 4, 4, 2), "GPipe runs one stage per worker"),
     (("Interleaved1F1B", 8, 6, 2), r"rounds of the worker count \(4 = 8 stages / 2 per worker\).*multiple of 4, "
                                    r"got 6: use chunks=8 or 4"),
