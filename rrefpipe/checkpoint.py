@@ -96,8 +96,12 @@ class Recomputable:
     stage, and backward ran twice as slow from fresh pages.)"""
 
     def __init__(self, fn: Callable[[Any], Any], copy_input: bool = False,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None, keep_unpacked: bool = False) -> None:
         self._fn = fn
+        # A split backward (``backward_split``) runs the nodes on the border between its halves twice,
+        # each unpacking what it saved: the recomputed activations stay until the graph goes, after both.
+        self._keep_unpacked = keep_unpacked
+        self._unpacked = False
         self._copy_input = copy_input
         self._on_failure = on_failure  # told once when recomputing fails, where backward keeps only text
         self._slots: list[_Slot] = []
@@ -153,7 +157,7 @@ class Recomputable:
         recomputation still queued ahead for this run does nothing after this: backward brings them."""
         with self._lock:
             self._released = True
-            if self._recomputed and all(s.tensor is not None for s in self._slots):
+            if self._recomputed and not self._unpacked and all(s.tensor is not None for s in self._slots):
                 for s in self._slots:
                     s.tensor = None
                 self._recomputed = False
@@ -179,7 +183,10 @@ class Recomputable:
                 raise self._error
             if slot.tensor is None:  # not recomputed ahead (or used already: a graph kept for a second backward)
                 self._fill()
-            tensor, slot.tensor = slot.tensor, None
+            self._unpacked = True
+            tensor = slot.tensor
+            if not self._keep_unpacked:
+                slot.tensor = None
         assert tensor is not None
         return tensor
 

@@ -420,14 +420,12 @@ class RemoteDriver:
         n = len(self.infos)
         try:
             check_schedule(self.schedule, n, len(rows), self.stages_per_worker)
-        except ValueError:
+        except ValueError as exc:
             if len(rows) == self.chunks:
                 raise
-            p = n // self.stages_per_worker
             raise ValueError(f"the batch of {sum(rows)} rows splits into only {len(rows)} micro-batches (torch.chunk "
-                             f"into chunks={self.chunks}), and {self.schedule} runs micro-batches in rounds of the "
-                             f"{p} workers: pass a batch of at least {self.chunks} rows, or one that splits into a "
-                             f"multiple of {p} micro-batches") from None
+                             f"into chunks={self.chunks}), which {self.schedule} cannot run ({exc}): pass a batch "
+                             f"of at least {self.chunks} rows") from None
         payload = _pickled_loss(loss_fn)
         stashed_at = {key: j for j, info in enumerate(self.infos) for key in info.stashes}
         replicated = replicas.current() is not None

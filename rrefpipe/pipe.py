@@ -101,11 +101,16 @@ class Pipe(nn.Module):
             layers take ``*args`` or optional arguments.
         schedule: the order in which :meth:`train_step` runs each stage's forwards and backwards:
             ``'GPipe'`` (every forward, then every backward), ``'1F1B'`` (stage j holds at most n - j
-            micro-batches' activations) or ``'Interleaved1F1B'`` (several stages per worker, a smaller
-            bubble), in any case; see the guide's "Choosing a schedule". ``pipe(x)`` with
+            micro-batches' activations), ``'Interleaved1F1B'`` (several stages per worker, a smaller
+            bubble), or a zero-bubble schedule, which splits each backward into the inputs' gradients
+            and the weights' and runs the latter where a worker would wait: ``'InterleavedZeroBubble'``
+            (ZB1P, any ``stages_per_worker``), ``'ZBVZeroBubble'`` and ``'DualPipeV'`` (two stages per
+            worker in a V); in any case; see the guide's "Choosing a schedule". ``pipe(x)`` with
             ``pipe.backward`` always runs GPipe's order.
-        stages_per_worker: stages on each worker, for ``'Interleaved1F1B'``: stage j runs on worker
-            j mod (stages / stages_per_worker), and that many workers start (or are named in ``workers``).
+        stages_per_worker: stages on each worker, for ``'Interleaved1F1B'`` and
+            ``'InterleavedZeroBubble'`` (stage j runs on worker j mod p, p = stages / stages_per_worker),
+            and 2 for the V-shaped ``'ZBVZeroBubble'`` and ``'DualPipeV'`` (stage j on worker j for
+            j < p, on worker 2p - 1 - j after); p workers start (or are named in ``workers``).
         split_points: submodule paths (``named_modules()``'s, such as ``'blocks.2'``) in forward order: a
             stage begins at the first operation of each. ``pipe(*args)`` then takes the model's positional
             arguments and gives its output as it is (a tuple, dict or ``ModelOutput``); ``state_dict()``
@@ -313,17 +318,18 @@ class Pipe(nn.Module):
                devices: Sequence[torch.device]) -> RemoteDriver:
         n, v = len(specs), self.stages_per_worker
         check_schedule(self.schedule, n, self.chunks, v)
-        p = n // v  # workers: stage j goes to worker j mod p (Interleaved1F1B's layout)
-        named = placement.interleaved_workers(workers, n, v)
+        p = n // v  # workers; stage j < p on worker j, the others as the schedule lays them out
+        layout, how = placement.worker_layout(self.schedule, n, v)
+        named = placement.interleaved_workers(workers, layout, how)
         held = placement.close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
         try:
-            workers, self._local_workers = placement.stage_workers(p, named, placement.worker_devices(devices, v),
-                                                                   held, self.rpc_timeout)
+            workers, self._local_workers = placement.stage_workers(
+                p, named, placement.worker_devices(devices, layout, how), held, self.rpc_timeout)
         finally:
             placement.release(held)
         if len(workers) != p:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
-        workers = [workers[j % p] for j in range(n)]
+        workers = [workers[w] for w in layout]
         for spec in specs:
             spec.next_worker = workers[spec.index + 1] if spec.index + 1 < n else None
         try:

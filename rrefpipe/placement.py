@@ -14,6 +14,7 @@ from torch import nn
 
 from . import _rpc
 from .partition import module_device
+from .schedule import is_v_shaped, stage_layout
 from .seeding import stage_seed
 from .server import StageSpec
 
@@ -108,29 +109,40 @@ def stage_workers(n: int, workers: Sequence[str] | None, devices: Sequence[torch
     return workers, None
 
 
-def interleaved_workers(workers: Sequence[str] | None, stages: int, stages_per_worker: int) -> Sequence[str] | None:
-    """The distinct workers named for ``stages`` stages with ``stages_per_worker`` each: every stage's
-    worker (stage j's must be stage j mod p's, p = stages / stages_per_worker), or the p workers alone."""
+def worker_layout(schedule: str, stages: int, stages_per_worker: int) -> tuple[list[int], str]:
+    """Each stage's worker index under ``schedule`` (:func:`rrefpipe.schedule.stage_layout`), and that
+    layout in words for errors."""
     p = stages // stages_per_worker
-    if workers is None or stages_per_worker == 1:
+    if is_v_shaped(schedule):
+        how = f"{schedule} puts stage j on worker j for j < {p} and on worker {2 * p - 1} - j after (a V)"
+    else:
+        how = f"stages_per_worker={stages_per_worker} puts stage j on worker j mod {p}"
+    return stage_layout(schedule, stages, stages_per_worker), how
+
+
+def interleaved_workers(workers: Sequence[str] | None, layout: Sequence[int], how: str) -> Sequence[str] | None:
+    """The distinct workers named for stages that share workers as ``layout`` (each stage's worker
+    index; stage j < p on worker j, p workers) says: every stage's worker in that layout, or the p workers
+    alone. ``how``: the layout in words, for the error."""
+    stages, p = len(layout), 1 + max(layout, default=-1)
+    if workers is None or p == stages:
         return workers
     workers = list(workers)
-    layout = [workers[j % p] for j in range(stages)] if len(workers) in (p, stages) else None
-    if layout is None or (len(workers) == stages and workers != layout) or len(set(workers[:p])) != p:
-        expected = [f"w{j % p}" for j in range(stages)]
-        raise ValueError(f"stages_per_worker={stages_per_worker} puts stage j on worker j mod {p}: name {p} distinct "
-                         f"workers, or one per stage in that layout (e.g. {expected}), got {workers}")
+    laid = [workers[w] for w in layout] if len(workers) in (p, stages) else None
+    if laid is None or (len(workers) == stages and workers != laid) or len(set(workers[:p])) != p:
+        expected = [f"w{w}" for w in layout]
+        raise ValueError(f"{how}: name {p} distinct workers, or one per stage in that layout (e.g. {expected}), got "
+                         f"{workers}")
     return workers[:p]
 
 
-def worker_devices(devices: Sequence[torch.device], stages_per_worker: int) -> list[torch.device]:
-    """The device of each worker, whose stages (j, j + p, ...) must share one."""
-    p = len(devices) // stages_per_worker
-    for j, d in enumerate(devices):
-        if d != devices[j % p]:
-            raise ValueError(f"stage {j} is on {d} and stage {j % p}, on the same worker (stage j runs on worker "
-                             f"j mod {p}), on {devices[j % p]}: give the stages of one worker one device")
-    return list(devices[:p])
+def worker_devices(devices: Sequence[torch.device], layout: Sequence[int], how: str) -> list[torch.device]:
+    """The device of each worker (stage j < p is on worker j), whose stages must share one."""
+    for j, (d, w) in enumerate(zip(devices, layout)):
+        if d != devices[w]:
+            raise ValueError(f"stage {j} is on {d} and stage {w}, on the same worker ({how}), on {devices[w]}: give "
+                             "the stages of one worker one device")
+    return list(devices[:1 + max(layout, default=-1)])
 
 
 #: Pipes garbage-collected without ``close()``: their driver and embedded workers (or None). The

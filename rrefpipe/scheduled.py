@@ -36,12 +36,12 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import autocast, gradients, microbatch, replicas, server
+from . import autocast, backward_split, gradients, microbatch, replicas, server
 from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import checked_loss, weights
 from .microbatch import TensorOrTensors
-from .schedule import Action, worker_orders
+from .schedule import Action, is_split, worker_orders
 from .server import StageServer
 from .skip.tracker import SkipKey
 from .stage import StepMeta
@@ -82,7 +82,7 @@ class StepPlan:
     def meta(self) -> StepMeta:
         return StepMeta(step=self.step, chunks=self.chunks, checkpoint_stop=self.checkpoint_stop,
                         grad_enabled=True, driver=self.driver, timeout=self.timeout, spread=self.spread,
-                        autocast=self.autocast)
+                        autocast=self.autocast, split_backward=is_split(self.schedule))
 
 
 @dataclass
@@ -200,6 +200,9 @@ class _StepRun:
         self.targets: list[TensorOrTensors] = []
         self.sent: list[Future[Any]] = []
         self.kept: dict[tuple[int, int], _Kept] = {}
+        self.later: dict[tuple[int, int], backward_split.WeightGradients] = {}  # W of (j, i), after its I
+        self.params = {j: [p for p in srv.stage.module.parameters() if p.requires_grad]
+                       for j, srv in self.servers.items()}
         self.losses: list[Tensor] = []
         self._value, self._target = value, target
         self.weights = weights(plan.rows)
@@ -213,8 +216,10 @@ class _StepRun:
                 with self.servers[action.j].stream.running():
                     if action.kind == "F":
                         self._forward(action.j, action.i)
+                    elif action.kind == "W":
+                        self._weight(action.j, action.i)
                     else:
-                        self._backward(action.j, action.i)
+                        self._backward(action.j, action.i, split=action.kind == "I")
             action = None
             for sent in self.sent:  # a failed send is reported by ``_post``'s callback, through the mailbox
                 with contextlib.suppress(Exception):
@@ -225,6 +230,7 @@ class _StepRun:
             return StepReport(failure=self._failure(exc, action))
         finally:
             self.kept.clear()
+            self.later.clear()
             for srv in self.servers.values():
                 for p in srv.stage.module.parameters():
                     p.grad = None
@@ -239,7 +245,7 @@ class _StepRun:
         if isinstance(exc, _Aborted):
             return Failure(stage, self.name, i, "train_step", "Cancelled",
                            "the step was called off: another stage failed", "", cancelled=True)
-        phase = "train_step" if action is None else ("forward" if action.kind == "F" else "backward")
+        phase = "train_step" if action is None else _PHASES[action.kind]
         if isinstance(exc, _LossError):
             phase, exc = "loss_fn", exc.__cause__ or exc
         return Failure.capture(exc, stage=stage, worker=self.name, microbatch=i, phase=phase,
@@ -309,10 +315,45 @@ class _StepRun:
         # The mini-batch loss is the row-weighted mean of the micro-batch losses; backward takes this part.
         return loss * (self.weights[i] * self.plan.loss_scale)
 
-    def _backward(self, j: int, i: int) -> None:
+    def _backward(self, j: int, i: int, split: bool = False) -> None:
+        """Micro-batch i's backward on stage j (``split``: only its inputs' gradients, the schedules' I;
+        :meth:`_weight` does the rest later), sending the inputs' gradients back."""
         srv = self.servers[j]
         kept = self.kept.pop((j, i))
         srv.stage.recompute_soon(self.plan.step, i)  # a checkpointed forward recomputes while we wait
+        roots, grads = self._output_gradients(srv, j, i, kept)
+        start = time.time()
+        grad: Callable[[Tensor | None], Tensor | None] = _grad
+        if split:
+            leaves = [t for t in kept.inputs if t is not None] + list(kept.skip_leaves.values())
+            if kept.loss is not None:
+                roots, grads = [kept.loss, *roots], [torch.ones_like(kept.loss), *grads]
+            got, self.later[(j, i)] = backward_split.input_gradients(roots, grads, leaves, self.params[j])
+            by_leaf = {id(t): g for t, g in zip(leaves, got)}
+            grad = lambda t: None if t is None else by_leaf[id(t)]  # noqa: E731
+        else:
+            starts = [] if kept.loss is None else [kept.loss]
+            if roots:
+                starts.append(_Given.apply(tuple(grads), *roots))
+            if starts:
+                torch.autograd.backward(starts)
+        if self.meta.split_backward:  # markers in the graph time a fused backward otherwise
+            srv.stage.recorder.add("backward", self.plan.step, i, start, time.time())
+        if j > 0:
+            self._post(srv, j - 1, ("B", j - 1, i), [grad(t) for t in kept.inputs], whole=False)
+        for key, leaf in kept.skip_leaves.items():
+            source = self.plan.skip_sources[key]
+            self._post(srv, source, ("G", source, i, key), [grad(leaf)], whole=False)
+
+    def _weight(self, j: int, i: int) -> None:
+        """Micro-batch i's parameter gradients on stage j (the schedules' W), from what its I kept."""
+        start = time.time()
+        self.later.pop((j, i)).run()
+        self.servers[j].stage.recorder.add("weight", self.plan.step, i, start, time.time())
+
+    def _output_gradients(self, srv: StageServer, j: int, i: int, kept: _Kept) -> tuple[list[Tensor], list[Tensor]]:
+        """The tensors micro-batch i's backward on stage j starts from, each with the gradient the stages
+        after it sent (the output's, the stashed skips'); the loss is not among them."""
         roots: list[Tensor] = []
         grads: list[Tensor] = []
         if kept.loss is None:
@@ -324,16 +365,7 @@ class _StepRun:
             value, _ = self._take(("G", j, i, key), lambda: f"the gradient of skip {key[1]!r} of micro-batch {i} "
                                                              f"from stage {target}")
             _add_roots(roots, grads, [tensor], _as_tuple(value))
-        starts = [] if kept.loss is None else [kept.loss]
-        if roots:
-            starts.append(_Given.apply(tuple(grads), *roots))
-        if starts:
-            torch.autograd.backward(starts)
-        if j > 0:
-            self._post(srv, j - 1, ("B", j - 1, i), [_grad(t) for t in kept.inputs], whole=False)
-        for key, leaf in kept.skip_leaves.items():
-            source = self.plan.skip_sources[key]
-            self._post(srv, source, ("G", source, i, key), [_grad(leaf)], whole=False)
+        return roots, grads
 
     def _install(self) -> None:
         """Move the parameters' gradients, summed over the step's micro-batches (and averaged over the
@@ -422,6 +454,9 @@ class _Given(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *ctx.grads)
+
+
+_PHASES = {"F": "forward", "B": "backward", "I": "backward (input gradient)", "W": "backward (weight gradient)"}
 
 
 class _LossError(Exception):

@@ -48,6 +48,7 @@ class StepMeta:
     per_message: int = 1  # micro-batches per message from a stage to the next
     autocast: tuple[AutocastRegion, ...] = ()  # the driver's autocast regions around the forward
     spread: bool = False  # the call had several inputs: tuples reach layers spread (see ``calling``)
+    split_backward: bool = False  # train_step runs backward in two halves (``backward_split``) and times them
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,13 @@ class Stage:
             backward_end = self._backward_callback(meta.step, i, "end")
             crosses = bool(phonies) or sent_with is not None  # the output crosses an RPC hop
             inputs_need_grad = meta.grad_enabled and any(t.requires_grad for t in microbatch.as_tensors(value))
+            timed = meta.grad_enabled and not meta.split_backward  # markers in the graph time its backward
             if sent_with is not None and meta.grad_enabled:  # it times the end of backward too, both cases below
                 value, joined = arrival(value, sent_with, backward_end, self.device)
                 phonies = [joined, *phonies]
-            elif inputs_need_grad:  # backward ends when the inputs' gradients are computed
+            elif inputs_need_grad and timed:  # backward ends when the inputs' gradients are computed
                 value = mark(value, backward_end)
-            elif meta.grad_enabled:  # ... or after the last node that the forward below records
+            elif timed:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
             fn, outgoing = self._runner(meta.step, i, received, meta.spread)
             with random_turns:
@@ -168,7 +170,7 @@ class Stage:
             else:  # in the driver's process: a fence goes where the output's gradient will flow, if any
                 if phonies and microbatch.as_tensors(out)[0].requires_grad:
                     out = join(out, phonies[0])
-                result = StageOutput(mark(out, started))
+                result = StageOutput(mark(out, started) if timed else out)
             for key, tensor in outgoing.items():
                 if tensor is not None and crosses:  # a skip message must be recorded, like any hop
                     if tensor.requires_grad:
@@ -182,7 +184,8 @@ class Stage:
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
                       value: TensorOrTensors, received: dict[SkipKey, Tensor | None]) -> TensorOrTensors:
-        recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, meta.step, i))
+        recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, meta.step, i),
+                                    keep_unpacked=meta.split_backward)
         out = recomputable.run(value, [t for t in received.values() if t is not None])
         if self._ahead is not None:
             self._ahead.keep(meta.step, i, recomputable)

@@ -12,8 +12,9 @@ from .trace import KINDS, Event
 __all__ = ["COLORS", "TimelinePlot", "chrome_trace", "events_from_chrome_trace", "plot_timeline", "write_timeline"]
 
 #: Box colour of each kind of work (also the legend).
-COLORS = {"forward": "#4c72b0", "recompute": "#dd8452", "backward": "#55a868", "allreduce": "#8172b3"}
-_LETTER = {"forward": "F", "recompute": "R", "backward": "B", "allreduce": "A"}
+COLORS = {"forward": "#4c72b0", "recompute": "#dd8452", "backward": "#55a868", "weight": "#937860",
+          "allreduce": "#8172b3"}
+_LETTER = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W", "allreduce": "A"}
 _TID = {kind: k for k, kind in enumerate(KINDS)}  # one track per kind: recompute nests inside backward
 
 
@@ -126,7 +127,7 @@ def plot_timeline(events: Iterable[Event], path: str | Path, *, width: float = 1
     labels = []
     for row, (stage, worker) in enumerate(stages.items()):
         mine = [e for e in evs if e.stage == stage]
-        busy = _busy_fraction([(e.start, e.end) for e in mine if e.kind in ("forward", "backward")], t1 - t0)
+        busy = _busy_fraction([(e.start, e.end) for e in mine if e.kind in ("forward", "backward", "weight")], t1 - t0)
         labels.append(f"stage {stage} ({worker})\nbusy {busy:.0%}")
         ax.axhspan(row - 0.45, row + 0.45, color="#f0f0f0", zorder=0)
         _draw_row(ax, row, mine, t0, span_ms)

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 __all__ = ["Event", "format_events"]
 
 #: Kinds of work a stage records. "allreduce": averaging its gradients with the other replicas (data
-#: parallel) at the end of a ``train_step``, once per worker and step, micro-batch -1.
-KINDS = ("forward", "recompute", "backward", "allreduce")
+#: parallel) at the end of a ``train_step``, once per worker and step, micro-batch -1. Under a schedule
+#: that splits backward (``rrefpipe.schedule.is_split``), "backward" is its first half (the inputs'
+#: gradients, I) and "weight" the second (the parameters', W).
+KINDS = ("forward", "recompute", "backward", "weight", "allreduce")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from torch.futures import Future
 from . import diagnosis, scheduled
 from .errors import Failure, StageError, WorkerError, timed_out
 from .microbatch import TensorOrTensors
+from .schedule import stage_layout
 from .scheduled import StepPlan, StepReport
 
 __all__: list[str] = []
@@ -29,8 +30,8 @@ def run(pipe_id: str, workers: Sequence[str], plan: StepPlan, value: TensorOrTen
 
     Must be called with the caller's autograd context current: each message carries a tensor that
     requires grad, so that the context reaches every worker, which installs its gradients there."""
-    n, p = plan.stages, len(workers)
-    last = (n - 1) % p
+    n = plan.stages
+    last = stage_layout(plan.schedule, n, plan.stages_per_worker)[n - 1]
     anchor = torch.zeros((), requires_grad=True)
     calls: list[Future[StepReport] | Failure] = []
     for w, worker in enumerate(workers):

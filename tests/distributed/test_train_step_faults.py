@@ -255,8 +255,8 @@ def test_a_batch_too_small_for_interleaved_is_refused_at_train_step(cluster, row
             step(pipe, x, y)
         message = str(info.value)
         for piece in [f"the batch of {rows} rows splits into only {microbatches} micro-batches",
-                      "(torch.chunk into chunks=4)", "in rounds of the 2 workers",
-                      "a batch of at least 4 rows, or one that splits into a multiple of 2 micro-batches"]:
+                      "(torch.chunk into chunks=4), which Interleaved1F1B cannot run",
+                      "in rounds of the worker count (2 = 4 stages / 2 per worker)", "a batch of at least 4 rows"]:
             assert piece in message, (piece, message)
         check_good_step(pipe, model)
 
