@@ -56,7 +56,8 @@ def _time_steps(cmd: dict[str, Any], rank: int, world: int, cache: dict[str, Any
 def timed_steps(cmd: dict[str, Any], sched: Any, opt: torch.optim.Optimizer, *, first: bool, last: bool,
                 x: Any, y: Any) -> dict[str, Any]:
     """``cmd``'s warm-up and timed steps of a rank's schedule (``first``: it holds stage 0 and feeds ``x``;
-    ``last``: the last stage, given ``y``): step times, and /proc's counters around the timed ones."""
+    ``last``: the last stage, given ``y``; both where a rank holds both, as in a V-shaped layout): step
+    times, and /proc's counters around the timed ones."""
     times, before = [], None
     for k in range(cmd["warmup"] + cmd["repeats"]):
         if k == cmd["warmup"]:
@@ -64,7 +65,9 @@ def timed_steps(cmd: dict[str, Any], sched: Any, opt: torch.optim.Optimizer, *, 
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if first:
+        if first and last:  # one rank holds the first and the last stage (a V-shaped layout)
+            sched.step(x, target=y, losses=[])
+        elif first:
             sched.step(x)
         elif last:
             losses: list[Any] = []
