@@ -1,7 +1,10 @@
-"""Issue #41: ``Pipe.train_step``'s schedules (GPipe, 1F1B, Interleaved1F1B) measured.
+"""Issues #41 and #49: ``Pipe.train_step``'s schedules (GPipe, 1F1B, Interleaved1F1B, zero bubble) measured.
 
-``python benchmarks/bench_schedules.py`` (about 30 minutes on 2 CPU cores; ``--quick``: a smoke run of
-about 10 s) prints tables and a targets block and writes ``benchmarks/results/schedules.json`` (``--out``). It
+The zero-bubble schedules are InterleavedZeroBubble, ZBVZeroBubble and DualPipeV (section 4).
+
+``python benchmarks/bench_schedules.py`` (about 30 minutes on 2 CPU cores, and about 15 more for the
+zero-bubble section, estimated; ``--quick``: a smoke run of about 20 s; ``--zero-bubble-only``: section 4
+alone) prints tables and a targets block and writes ``benchmarks/results/schedules.json`` (``--out``). It
 reuses the benchmark suite's pieces (``bench_suite``, ``suite_pipelining``, ``suite_targets``,
 ``bench_core``): the same models, mini-batches and splits (``suite_models``), the same processes and
 threads (``workers.LocalWorkers``, 1 intra-op thread per stage process and in the driver; one process
@@ -46,8 +49,61 @@ computes it on its last rank), then ``DistributedOptimizer.step``.
    stage j, GPipe all m, so the ratio per stage should stay under ``(n - j)/m + 1/m``. (Stage 0 splits
    the mini-batch into micro-batches of their own storage, so each saved input goes with its backward.)
 
+4. **Zero bubble** (issue #49; ``sched_zero_bubble``), 2 workers, m = 4, 8, 16 (``--zb-chunks``), the MLP,
+   ResNet-style and Transformer models (``--zb-models``), every contestant in the same rounds
+   (``--zb-contestants``; a round runs them in this order):
+
+   * ``pp1F1B``, rrefpipe ``1F1B``, ``A/A pp`` (pipelining's 1F1B on a second group of processes, the A/A
+     control of section 1) and rrefpipe ``GPipe``, all on the 2-stage split;
+   * ``ZBV``, ``DPV``: rrefpipe ``ZBVZeroBubble`` and ``DualPipeV``, ``stages_per_worker=2``, 4 stages in a
+     V (stage j on worker j for j < 2, on worker 3 - j otherwise: worker 0 holds stages 0 and 3), and
+     ``ppZBV``, ``ppDPV``: pipelining's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` on the same split,
+     rank r holding stages r and 3 - r;
+   * ``IZB``: rrefpipe ``InterleavedZeroBubble`` (ZB1P) with ``stages_per_worker=2``, 4 stages in a loop
+     (stage j on worker j mod 2, as Interleaved1F1B in section 2), and ``ppIZB``: pipelining's
+     ``ScheduleInterleavedZeroBubble`` on the same. Two stages per worker rather than one, so that the three
+     zero-bubble schedules run the same 4-stage work on the same workers and differ in order and layout
+     only; with one (ZB-H1 on the 2-stage split, fewer boundaries to cross) they are ``izb1``/``pp_izb1``,
+     not in the default run (``--zb-contestants``).
+
+   The 4-stage splits are ``sched_zero_bubble.BALANCES``: each worker holds half the layers (the MLP 4/4/4/4;
+   the Transformer 1/2/2/1 in the loop, 2/1/2/1 in the V), the ResNet 4/1/2/5 by timed layer cost. Every
+   zero-bubble contestant splits each stage's backward into I (the inputs' gradients, which the previous
+   stage waits for) and W (the weights'): rrefpipe with ``rrefpipe.backward_split``, pipelining with its
+   stages' own split. Per cell, beside the samples/s:
+
+   * ``phys``, the **physical limit**: one process's micro-batched step (``physical_step``: ``zero_grad``,
+     then for each of the m micro-batches forward, loss and backward of the whole model, then the SGD step;
+     1 intra-op thread), timed in every round beside the contestants, pooled as they are, its median
+     divided by the 2 workers. ``ach/phys`` = a contestant's samples/s over the limit's, for every
+     contestant: 2 workers cannot do a step's work faster unless they compute faster than this process.
+   * the **bubble**, simulated against achieved: ``sim`` is ``rrefpipe.schedule.simulate`` of the
+     schedule's worker orders (``worker_orders``: rrefpipe's, for pipelining's contestant of the same
+     name too) with the costs measured below at the cell's micro-batch size, F and the fused B, or F, I
+     and W (``simulate`` takes one cost per kind: each kind's mean over the stages), transfers free;
+     ``ach`` is ``1 - compute / (2 x step)``, compute being m times the sum over stages of those costs.
+     With the ``cores`` a contestant kept busy (CPU of all its processes per step over the step), this
+     shows where the 2 cores bound a figure: an achieved bubble well above the simulated one while the
+     contestant keeps about 2 cores busy is CPU spent outside the stages' compute (transfers, the driver,
+     the framework), not the schedule's bubble; one near the simulated one is the schedule's own.
+   * **split backward** per stage of each split (2-stage, V, loop) at each m's micro-batch size, in this
+     process, 1 thread (``split_backward_costs``): F, I (``input_gradients``), W (``WeightGradients.run``)
+     and one fused backward B (``torch.autograd.backward``) of the same stage on the same micro-batch,
+     each the median over ``--bw-repeats`` repeats after ``--warmup``; each repeat runs both backwards,
+     each after its own forward, in an order alternating between repeats. ``(I+W)/B``: the median of the
+     repeats' I + W over B's median. (Stage 0's input needs no gradient, as in a pipeline: there I is
+     next to nothing and W does all.)
+
+   Ratios: ``ZBV/1F1B``, ``IZB/1F1B``, ``DPV/1F1B`` (rrefpipe against its own 1F1B on the 2-stage split),
+   ``ZBV/pp`` etc. (rrefpipe over pipelining, the same schedule class and split), and ``A/A`` beside them.
+
 Statistics: a cell's ratio is one contestant's samples/s over another's (pooled medians); over cells,
 the geometric mean and the standard error of the mean log ratio (``+-``, about a relative error).
+Zero-bubble targets (issue #49): ZBV/1F1B's geometric mean >= 1.10 (IZB's and DPV's beside it);
+rrefpipe/pipelining's geometric mean for each zero-bubble schedule >= the A/A control's over the same
+cells (with each one's standard error and the ratio to the control cell by cell); ZBV's achieved/physical
+>= 0.90 in every MLP cell at m >= 4 (with its simulated and achieved bubble and cores busy; every
+contestant's range beside it); ``(I+W)/B`` <= 1.10 on every stage of every split and m.
 ``cores``: the fewest and most cores the contestants of a cell kept busy (CPU time of all a contestant's
 processes per step, over the step time, first round): a cell where they differ much was disturbed by
 another process (or a schedule left a core idle). Nothing is asserted. The load average is recorded at
@@ -62,6 +118,7 @@ import copy
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,6 +143,10 @@ from suite_record import proc_delta, proc_stat
 from suite_report import cpu_total_ms, sps
 from suite_rrefpipe import time_pipe
 from suite_targets import geometric_mean, print_targets, work_ratio
+
+# Run as a script this file is ``__main__``: the zero-bubble section's module (``sched_zero_bubble``), which
+# imports this one, must find it rather than load a second copy.
+sys.modules.setdefault("bench_schedules", sys.modules[__name__])
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "schedules.json"
 CHUNKS = (4, 8, 16, 32)
@@ -114,7 +175,12 @@ def recomputed(key: str, m: int) -> int:
 # -- torch.distributed.pipelining, interleaved ------------------------------------------------------
 def _time_steps(cmd: dict[str, Any], rank: int, world: int, cache: dict[str, Any]) -> dict[str, Any]:
     """A rank's timed steps: the suite's for GPipe and 1F1B; for ``ScheduleInterleaved1F1B``, stages
-    ``rank``, ``rank + world``, ... of the model's ``IL_BALANCES`` split, timed as the suite times the others."""
+    ``rank``, ``rank + world``, ... of the model's ``IL_BALANCES`` split, timed as the suite times the others;
+    the zero-bubble schedules' (``sched_zero_bubble.PP_SCHEDULES``) as ``sched_zero_bubble.pp_time_steps`` does."""
+    import sched_zero_bubble
+
+    if cmd["schedule"] in sched_zero_bubble.PP_SCHEDULES:
+        return sched_zero_bubble.pp_time_steps(cmd, rank, world, cache)
     if cmd["schedule"] != "interleaved":
         return suite_time_steps(cmd, rank, world, cache)
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
@@ -162,12 +228,13 @@ def _train(pipe: Any, opt: Any, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor,
 
 def time_train_step(names: Sequence[str], model: nn.Sequential, balance: Sequence[int], data: tuple[Tensor, Tensor],
                     loss_fn: Callable[[Tensor, Tensor], Tensor], chunks: int, contestant: str, warmup: int,
-                    repeats: int, pids: Sequence[int]) -> dict[str, Any]:
+                    repeats: int, pids: Sequence[int], rref: tuple[str, str, int] | None = None) -> dict[str, Any]:
     """Median ``train_step`` + ``DistributedOptimizer.step`` time of one rrefpipe contestant, and the CPU
-    time and page faults per step of the driver and the stage workers it uses (``pids``)."""
+    time and page faults per step of the driver and the stage workers it uses (``pids``). ``rref``: the
+    contestant's (schedule, checkpoint, stages per worker) where ``RREF`` has no such key."""
     from torch.distributed.optim import DistributedOptimizer
 
-    schedule, checkpoint, v = RREF[contestant]
+    schedule, checkpoint, v = rref or RREF[contestant]
     x, y = data
     try:
         with make_pipe(names, model, balance, chunks, schedule, checkpoint, v) as pipe:
@@ -372,20 +439,26 @@ def interleaved_section(cluster: Any, group: PipeliningGroup | None, spec: Model
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import sched_zero_bubble as zb
     from workers import LocalWorkers
 
     result: dict[str, Any] = {"loadavg_start": loadavg()}
     log(f"load average at start: {result['loadavg_start']}")
     torch.set_num_threads(1)  # the driver, like every stage process
     speed = {n: args.models for n in args.stages}
-    with LocalWorkers(max([*args.stages, *args.memory_stages, 2]), threads=1) as cluster:
+    workers = max([n for n in args.stages if args.models] + [n for n in args.memory_stages if args.memory_models] + [2])
+    with LocalWorkers(workers, threads=1) as cluster:
         result["machine"] = machine_info(torch.get_num_threads(), cluster.threads)
-        result["speed"], result["interleaved"], result["memory"] = [], [], []
-        for n in sorted(n for n in {*args.stages, 2} if speed.get(n) or (n == 2 and args.il_models)):
+        result["speed"], result["interleaved"], result["memory"], result["zero_bubble"] = [], [], [], []
+        two = args.il_models or args.zb_models  # the 2-worker sections
+        for n in sorted(n for n in {*args.stages, 2} if speed.get(n) or (n == 2 and two)):
             with contextlib.ExitStack() as stack:  # the stage processes of n-stage pipelining, closed after
-                used = {*(args.contestants if speed.get(n) else ()), *(args.il_contestants if n == 2 else ())}
-                group = stack.enter_context(pipelining_group(n)) if used & {"pp_1f1b", "pp_il"} else None
-                groups = {"pp_1f1b": group, "pp_il": group}
+                used = {*(args.contestants if speed.get(n) else ()),
+                        *(args.il_contestants if n == 2 and args.il_models else ()),
+                        *(args.zb_contestants if n == 2 and args.zb_models else ())}
+                own = {k for k in used if k.startswith("pp_") and k != CONTROL}  # on pipelining's processes
+                group = stack.enter_context(pipelining_group(n)) if own else None
+                groups = {"pp_1f1b": group, "pp_il": group, **dict.fromkeys(own, group)}
                 if group is not None:
                     result["machine"][f"pipelining_threads_{n}st"] = group.threads
                 if CONTROL in used:  # its own group; --quick: the same one (2 processes fewer)
@@ -396,6 +469,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if n == 2:
                     for name in args.il_models:
                         result["interleaved"].append(interleaved_section(cluster, group, SPECS[name], args))
+                    for name in args.zb_models:
+                        result["zero_bubble"].append(zb.section(cluster, groups, SPECS[name], args))
         for n in args.memory_stages:
             for name in args.memory_models:
                 log(f"memory: {name}, {n} stages ...")
@@ -542,7 +617,10 @@ def interleaved_target(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluate(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [memory_target(result), recompute_target(result), pipelining_target(result), interleaved_target(result)]
+    import sched_zero_bubble as zb
+
+    return [memory_target(result), recompute_target(result), pipelining_target(result), interleaved_target(result),
+            *zb.evaluate(result)]
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -613,8 +691,10 @@ def print_memory(secs: list[dict[str, Any]]) -> None:
 
 
 def report(result: dict[str, Any], out: Path) -> None:
+    import sched_zero_bubble as zb
+
     m, st = result["machine"], result["settings"]
-    print(f"\nrrefpipe schedules (issue #41): {m['platform']}, torch {m['torch']}, {m['cpu_count']} CPUs "
+    print(f"\nrrefpipe schedules (issues #41, #49): {m['platform']}, torch {m['torch']}, {m['cpu_count']} CPUs "
           f"({m['cpus_usable']} usable); every stage process and the driver 1 intra-op thread; timed step = "
           f"train_step (pipelining: schedule.step) + SGD step, median of {st['repeats']} x {st['rounds']} rounds "
           f"after {st['warmup']} warm-up; load average at start {result['loadavg_start']}, at end "
@@ -633,15 +713,18 @@ def report(result: dict[str, Any], out: Path) -> None:
               "apart: disturbed); load = 1-min load average before the row")
     print_interleaved(result["interleaved"])
     print_memory(result["memory"])
-    print_targets(result["targets"], "#41")
+    zb.print_section(result.get("zero_bubble") or [])
+    print_targets(result["targets"], "#41, #49")
     print_written(result, out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    import sched_zero_bubble as zb
+
     p = new_parser(__doc__, DEFAULT_OUT)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run (~10 s, 12 CPU-s): the tiny model, 2 stages, m = 8 (interleaved m = 4), 1 "
-                        "round, no untimed run first, the A/A control on pipelining's processes")
+                   help="smoke run (~20 s): the tiny model, 2 stages, m = 8 (interleaved and zero bubble m = 4), "
+                        "1 round, no untimed run first, the A/A control on pipelining's processes")
     p.add_argument("--models", nargs="*", choices=list(SPECS), default=["mlp", "resnet", "transformer"],
                    help="models of the speed section (none: skip it)")
     p.add_argument("--stages", nargs="+", type=int, choices=(2, 3), default=[2, 3], help="speed section stage counts")
@@ -661,12 +744,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=4, help="timed steps per contestant and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per cell (the median is over all their steps)")
     p.add_argument("--compute-repeats", type=int, default=3, help="timed runs per stage-compute measurement")
+    zb.add_args(p)
     add_run_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.stages, args.chunks, args.il_models, args.il_chunks = ["tiny"], [2], [8], ["tiny"], [4]
         args.memory_models, args.memory_stages, args.memory_chunks = ["tiny"], [2], [8]
         args.warmup, args.repeats, args.rounds, args.compute_repeats = 1, 2, 1, 1
+    zb.fix_args(p, args)  # its --quick settings; --zero-bubble-only empties the other sections' models
     # The A/A control's processes: a second group; --quick runs it on pipelining's group (a smoke run's
     # ratios mean nothing, and 2 more stage processes cost it a quarter of its CPU time).
     args.control_group = "shared" if args.quick else "own"
