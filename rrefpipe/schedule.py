@@ -1,9 +1,19 @@
 """Pure scheduling facts: which micro-batches are checkpointed, GPipe's clock cycles, and each
-schedule (GPipe, 1F1B, Interleaved1F1B) as data: the order in which every worker runs its actions.
+schedule as data: the order in which every worker runs its actions.
+
+The schedules (``SCHEDULES``, torch.distributed.pipelining's names): GPipe, 1F1B and Interleaved1F1B
+run each micro-batch's backward on a stage as one action ``B``. The zero-bubble ones
+(InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism", and DeepSeek-V3's DualPipe) split it in two (``is_split``): ``I``, the gradient of the
+stage's inputs, which the previous stage waits for, and ``W``, the gradient of its weights, which
+nobody waits for before the optimizer step, so that a worker can run it where it would otherwise
+idle. ZBVZeroBubble and DualPipeV place two stages on each worker in a V (``is_v_shaped``,
+``stage_layout``).
 
 The schedule is data so that it can be checked and printed without processes: ``worker_orders``
-gives the orders, ``check_orders`` the invariants a runtime relies on, ``simulate`` the ticks at
-which workers following those orders under the pipeline's dependencies would run each action, and
+gives the orders, ``check_orders`` the invariants a runtime relies on, ``peak_in_flight`` and
+``worker_peaks`` the micro-batches whose activations a stage or worker keeps, ``simulate`` the ticks
+at which workers following those orders under the pipeline's dependencies would run each action, and
 ``format_orders`` a table of them::
 
     >>> print(format_orders(worker_orders("1F1B", stages=2, chunks=4)))
@@ -12,6 +22,7 @@ which workers following those orders under the pipeline's dependencies would run
     worker 1  .  F0 B0 F1 B1 F2 B2 F3 B3 .
 
 Index names as in the rest of the package: ``i`` micro-batch, ``j`` stage, ``m``/``n`` their counts.
+Stages are numbered along the pipeline (stage j feeds stage j + 1), whatever worker runs them.
 """
 from __future__ import annotations
 
@@ -21,7 +32,7 @@ from typing import NamedTuple
 __all__ = ["CHECKPOINT_MODES", "checkpoint_stop", "clock_cycles", "ideal_efficiency",
            "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "Action", "Simulation", "parse_schedule", "is_split",
            "is_v_shaped", "check_schedule", "stage_layout", "stage_worker", "worker_orders",
-           "check_orders", "peak_in_flight", "simulate", "format_orders"]
+           "check_orders", "peak_in_flight", "worker_peaks", "simulate", "format_orders"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -176,9 +187,10 @@ def check_schedule(schedule: str, stages: int, chunks: int, stages_per_worker: i
                          f"stages / {v} per worker), so chunks must be a multiple of {p}, got {chunks}: use "
                          f"chunks={upper}" + (f" or {lower}" if lower else ""))
     if name == "DualPipeV" and chunks < stages:
-        raise ValueError(f"too few micro-batches for DualPipeV: chunks >= {stages} (the stage count; each "
-                         f"worker's steady phase pairs a forward of one of its stages with a backward of the "
-                         f"other, which needs the pipeline full both ways), got chunks={chunks}")
+        raise ValueError(f"too few micro-batches for DualPipeV: chunks >= {stages} (the stage count, as "
+                         f"torch.distributed.pipelining requires: each worker's steady phase pairs a forward of "
+                         f"one of its stages with a backward of the other, and needs the pipeline full both "
+                         f"ways), got chunks={chunks}")
     return name
 
 
@@ -203,9 +215,42 @@ def worker_orders(schedule: str, stages: int, chunks: int, stages_per_worker: in
       worker needs them, and the bubble shrinks by about v. With v = 1 this order has more warm-up
       forwards than ``"1F1B"`` (2 (p - 1 - r)), as in torch.distributed.pipelining.
 
+    The zero-bubble schedules run ``I`` and ``W`` (``is_split``). Their bubbles shrink because a
+    worker waiting for a gradient can run a ``W`` instead, and because only ``I`` is on the path
+    the gradients travel back; they are bounded by memory, since a stage keeps a micro-batch's
+    activations until its ``W`` (``peak_in_flight``). InterleavedZeroBubble and ZBVZeroBubble are
+    played out at F = I = W = 1 by one greedy rule (``_zero_bubble``: ``I`` first, then the highest
+    stage's ``F`` while the stage is under its bound, else a ``W``), and differ in layout and bounds:
+
+    - ``"InterleavedZeroBubble"``: the loop layout of Interleaved1F1B, any v dividing n, any m. Each
+      stage holds at most what Interleaved1F1B with the same v holds on it (v = 1: 1F1B's n - j;
+      this is the paper's ZB-H1). With v = 1 the bubble is 2 (p - 1) ticks per worker against
+      1F1B's 3 (p - 1) at F = I = W = 1, B = 2 (the paper's ZB-H1 reaches p - 1 by counting a
+      micro-batch that waits only for its ``W`` as lighter, and keeping more of them than 1F1B
+      keeps); with v > 1 it is well below Interleaved1F1B's.
+    - ``"ZBVZeroBubble"`` (the paper's ZB-V): v = 2, n = 2p, the V layout (``stage_layout``): worker
+      r runs stages r and 2p - 1 - r, so the last stage's gradient starts on worker 0, which needs it
+      last. Stage j holds at most 2p - 1 - j micro-batches for j < p and 2p - j after, each worker
+      2p stage-halves: 1F1B's worker 0's p full stages, on every worker. Any m. At m >= 2p the
+      bubble measures p - 1 ticks per worker for p <= 4 (the least possible: worker p - 1 waits
+      that long for its first forward, and all workers end together), at most p + 1 up to p = 6,
+      against 6m ticks of work: close to zero.
+    - ``"DualPipeV"`` (DeepSeek-V3's DualPipe cut in half, as torch.distributed.pipelining has it):
+      v = 2 in the V layout, m >= n. Worker r runs, over its stages a = r and b = 2p - 1 - r,
+      2 (p - 1 - r) forwards of a; r + 1 pairs of forwards a, b; p - 1 - r rounds of b's ``I``, a
+      ``W`` and a forward of b; then the steady phase, m - 2p + r + 1 rounds of ``B`` of b,
+      forward of a, ``B`` of a, forward of b, where DualPipe overlaps each forward with the other
+      stage's backward (the runtime runs one action at a time, so the backward goes first: it frees
+      a micro-batch before the forward takes one); then p - 1 - r rounds of ``B`` of b, ``B`` of a,
+      forward of b (a has no forwards left); then the last backwards, the later half of them split
+      and their ``W`` left to fill the tail. So most micro-batches end with a fused ``B``, and
+      2p - 1 - r on worker r with ``I`` and ``W``: the first p - 1 - r of stage b and p of the
+      worker's last backwards. Each worker holds at most 2p stage-halves, as ZBVZeroBubble.
+
     Raises ValueError (saying what to change) for an unknown schedule, stages or chunks below 1,
-    ``stages_per_worker`` not dividing ``stages`` or above 1 with another schedule, and
-    Interleaved1F1B with ``chunks`` not a multiple of the worker count.
+    ``stages_per_worker`` not dividing ``stages``, above 1 for GPipe or 1F1B, or not 2 (or an odd
+    stage count) for the V-shaped schedules, Interleaved1F1B with ``chunks`` not a multiple of the
+    worker count, and DualPipeV with fewer micro-batches than stages.
     """
     name = check_schedule(schedule, stages, chunks, stages_per_worker)
     n, m = stages, chunks
@@ -214,9 +259,12 @@ def worker_orders(schedule: str, stages: int, chunks: int, stages_per_worker: in
                 for j in range(n)]
     if name == "1F1B":
         return [_one_f_one_b(m, j, warmup=min(n - j, m)) for j in range(n)]
-    if name != "Interleaved1F1B":
-        raise NotImplementedError(f"{name}'s orders are not written yet")
-    return [_interleaved(m, stages_per_worker, n // stages_per_worker, r) for r in range(n // stages_per_worker)]
+    if name == "Interleaved1F1B":
+        return [_interleaved(m, stages_per_worker, n // stages_per_worker, r)
+                for r in range(n // stages_per_worker)]
+    if name == "DualPipeV":
+        return [_dual_pipe_v(m, n // 2, r) for r in range(n // 2)]
+    return _zero_bubble(m, stage_layout(name, n, stages_per_worker), _in_flight_caps(name, n, m, stages_per_worker))
 
 
 def _one_f_one_b(m: int, j: int, warmup: int) -> list[Action]:
@@ -243,69 +291,267 @@ def _interleaved(m: int, v: int, p: int, r: int) -> list[Action]:
     return order + [backward(k) for k in range(total - warmup, total)]
 
 
+def _in_flight_caps(name: str, n: int, m: int, v: int) -> list[int]:
+    """Per stage, the most micro-batches that ``name``'s orders keep in flight (``peak_in_flight``):
+    what ``_zero_bubble`` holds each stage to, and what ``check_orders`` checks.
+
+    - 1F1B and InterleavedZeroBubble with v = 1: 1F1B's n - j.
+    - InterleavedZeroBubble with v > 1: what Interleaved1F1B with the same v reaches on each stage
+      (with ``chunks`` rounded up to a multiple of the worker count p, where Interleaved1F1B is
+      defined; never more than m): between 2p on the first stages and 1 on the last.
+    - ZBVZeroBubble: 2p - 1 - j on stage j < p, 2p - j after (the 2p-stage 1F1B's 2p - j, one less
+      on the first half), so that each worker holds at most 2p stage-halves (one micro-batch on a
+      stage counted once): what 1F1B's worker 0 holds of the same model cut in p stages, p full
+      stages, and 1F1B's peak over its workers."""
+    if name == "1F1B" or (name == "InterleavedZeroBubble" and v == 1):
+        return [min(m, n - j) for j in range(n)]
+    if name == "InterleavedZeroBubble":
+        p = n // v
+        rounded = -(-m // p) * p
+        orders = [_interleaved(rounded, v, p, r) for r in range(p)]
+        return [min(m, peak) for peak in peak_in_flight(orders, n)]
+    if name == "ZBVZeroBubble":
+        return [min(m, n - 1 - j if j < n // 2 else n - j) for j in range(n)]
+    raise ValueError(f"{name} holds its stages to no in-flight bound of its own")
+
+
+def _zero_bubble(m: int, layout: Sequence[int], caps: Sequence[int]) -> list[list[Action]]:
+    """The orders of the split-backward schedules built by playing them out at unit costs
+    (F = I = W = 1 tick): at each tick every idle worker takes, of its stages' actions that are ready,
+    the first by these rules:
+
+    1. an ``I`` (its forward done and, except on the last stage, the next stage's ``I``): the
+       gradients are the critical path back to stage 0 and the only thing other workers wait for.
+       Lowest micro-batch first, then the highest stage.
+    2. an ``F`` (the previous stage's forward done) on a stage holding fewer than ``caps[j]``
+       micro-batches in flight (forwarded, ``W`` not yet run); the highest stage first, so that each
+       micro-batch reaches the last stage and turns into gradients soon. A stage forwards its
+       micro-batches in order, and so runs its ``I`` in order.
+    3. a pending ``W``: first one of a stage whose next forward waits only for the room it frees,
+       else the oldest. Nobody waits for a ``W``, so it fills the ticks a worker would idle, and
+       at the end the gradient's tail.
+
+    Every ``F`` runs once its stage has room, so the lowest unfinished micro-batch can always move
+    on: the play never stalls and the orders never deadlock, at any costs (whether an order can
+    proceed does not depend on the durations, only the ticks do)."""
+    n, p = len(layout), 1 + max(layout)
+    stages_of = [[j for j in range(n) if layout[j] == w] for w in range(p)]
+    forwarded, input_done = [0] * n, [0] * n  # per stage: micro-batches past F, past I
+    in_flight = [0] * n
+    pending: list[list[Action]] = [[] for _ in range(p)]  # per worker: its Ws not run, oldest first
+    done: set[tuple[str, int, int]] = set()
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    left = 3 * n * m
+    while left:
+        ran: list[Action] = []
+        for w, mine in enumerate(stages_of):
+            grads = [Action("I", input_done[j], j) for j in mine if input_done[j] < forwarded[j]
+                     and (j == n - 1 or ("I", input_done[j], j + 1) in done)]
+            forwards = [Action("F", forwarded[j], j) for j in mine if forwarded[j] < m and in_flight[j] < caps[j]
+                        and (j == 0 or ("F", forwarded[j], j - 1) in done)]
+            if grads:
+                a = min(grads, key=lambda a: (a.i, -a.j))
+            elif forwards:
+                a = max(forwards, key=lambda a: a.j)
+            elif pending[w]:
+                held = {j for j in mine if forwarded[j] < m and in_flight[j] >= caps[j]}
+                a = pending[w].pop(next((k for k, x in enumerate(pending[w]) if x.j in held), 0))
+            else:
+                continue
+            orders[w].append(a)
+            ran.append(a)
+            if a.kind == "F":
+                forwarded[a.j] += 1
+                in_flight[a.j] += 1
+            elif a.kind == "I":
+                input_done[a.j] += 1
+                pending[w].append(Action("W", a.i, a.j))
+            else:
+                in_flight[a.j] -= 1
+        if not ran:
+            raise AssertionError(f"the zero-bubble play stalled with {left} actions left")  # see the docstring
+        done.update(ran)
+        left -= len(ran)
+    return orders
+
+
+def _dual_pipe_v(m: int, p: int, r: int) -> list[Action]:
+    """Worker r's order of DualPipeV (see ``worker_orders``): its stages a = r (down the V) and
+    b = 2p - 1 - r (back up), in DeepSeek's eight phases. Each stage runs its forwards and its
+    backwards (B or I) in micro-batch order; a ``W`` runs the oldest ``I`` not yet followed by one."""
+    a, b = r, 2 * p - 1 - r
+    forwarded = {a: 0, b: 0}
+    backwarded = {a: 0, b: 0}
+    pending: list[Action] = []
+    order: list[Action] = []
+
+    def f(j: int) -> None:
+        order.append(Action("F", forwarded[j], j))
+        forwarded[j] += 1
+
+    def back(j: int, split: bool) -> None:
+        order.append(Action("I" if split else "B", backwarded[j], j))
+        if split:
+            pending.append(Action("W", backwarded[j], j))
+        backwarded[j] += 1
+
+    def w() -> None:
+        if pending:
+            order.append(pending.pop(0))
+
+    for _ in range(2 * (p - 1 - r)):  # 1. down the V only: the micro-batches the later workers need
+        f(a)
+    for _ in range(r + 1):            # 2. both stages, until b has the first micro-batch back
+        f(a)
+        f(b)
+    for _ in range(p - 1 - r):        # 3. b's first gradients split, their W at once (zero-bubble warm-up)
+        back(b, True)
+        w()
+        f(b)
+    for _ in range(m - 2 * p + r + 1):  # 4. steady: each forward paired with the other stage's B
+        back(b, False)
+        f(a)
+        back(a, False)
+        f(b)
+    for _ in range(p - 1 - r):        # 5. a's forwards are done: b's B, then b's last forwards with a's B
+        back(b, False)
+        back(a, False)
+        f(b)
+    split = False                     # 6. the last backwards; the second half split, their Ws left for the tail
+    for k in range(r + 1):
+        split = split or (k == (r + 1) // 2 and r % 2 == 1)
+        back(b, split)
+        split = split or (k == (r + 1) // 2 and r % 2 == 0)
+        back(a, split)
+    for _ in range(p - 1 - r):        # 7. a's last backwards, each after a pending W
+        w()
+        back(a, split)
+    while pending:                    # 8. the remaining Ws
+        w()
+    return order
+
+
 def peak_in_flight(orders: Sequence[Sequence[Action]], stages: int) -> list[int]:
-    """Per stage, the most micro-batches forwarded and not yet backwarded at once, following the
-    orders: what bounds the activations a stage keeps when it does not checkpoint."""
+    """Per stage, the most micro-batches in flight at once, following the orders: forwarded and not
+    yet ended, where the action that ends a micro-batch on a stage is its fused backward ``B`` or, when
+    the backward is split, its weights' gradient ``W`` (``I`` frees nothing: ``W`` reads the inputs of
+    the stage's layers, so the stage keeps the micro-batch until then). What bounds the activations a
+    stage keeps when it does not checkpoint. (Counting is in stages: where stages differ in size, as
+    a V-shaped schedule's halves against a 1F1B stage, compare in the same unit.)"""
     now, peak = [0] * stages, [0] * stages
     for order in orders:
         for a in order:
-            now[a.j] += 1 if a.kind == "F" else -1
+            now[a.j] += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
             peak[a.j] = max(peak[a.j], now[a.j])
     return peak
+
+
+def worker_peaks(orders: Sequence[Sequence[Action]], stages: int) -> list[int]:
+    """Per worker, the most micro-batches in flight at once over all its stages together (each
+    micro-batch counted once per stage that holds it), following its order: what bounds the
+    activations a worker keeps, for a worker that holds several stages."""
+    peaks = []
+    for order in orders:
+        now = peak = 0
+        for a in order:
+            now += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, now)
+        peaks.append(peak)
+    return peaks
 
 
 def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, schedule: str | None = None,
                  stages_per_worker: int = 1) -> None:
     """Raise ValueError listing every broken invariant that a runtime following ``orders`` relies on:
-    one order per worker; every ``F``/``B`` of every (i, j) exactly once, on stage j's worker; on that
-    worker F(i, j) before B(i, j); under 1F1B at most n - j micro-batches in flight on stage j."""
+    one order per worker; every ``F`` of every (i, j) exactly once, on stage j's worker (by
+    ``schedule``'s layout: ``stage_layout``; without a schedule the loop layout); every (i, j) ended
+    either by one fused ``B`` or by one ``I`` and one ``W``, never both ways; on that worker F(i, j)
+    before B(i, j) or I(i, j), and I(i, j) before W(i, j); the in-flight bound the schedule promises
+    (1F1B: n - j micro-batches on stage j; InterleavedZeroBubble and ZBVZeroBubble: see
+    ``in_flight_bounds``)."""
     n, m, v = stages, chunks, stages_per_worker
     problems: list[str] = []
-    _check_layout(n, v)
-    if len(orders) != n // v:
-        problems.append(f"{len(orders)} worker orders for {n // v} workers")
+    name = parse_schedule(schedule) if schedule is not None else None
+    layout = stage_layout(name or "GPipe", n, v) if name in V_SCHEDULES else None
+    if layout is None:
+        _check_layout(n, v)
+    workers = n // v
+    if len(orders) != workers:
+        problems.append(f"{len(orders)} worker orders for {workers} workers")
     seen: dict[Action, int] = {}
     for w, order in enumerate(orders):
         for a in order:
-            if a.kind not in ("F", "B") or not (0 <= a.i < m and 0 <= a.j < n):
+            owner = layout[a.j] if layout is not None and 0 <= a.j < n else a.j % workers
+            if a.kind not in ("F", "B", "I", "W") or not (0 <= a.i < m and 0 <= a.j < n):
                 problems.append(f"worker {w}: {a} is not an action of {m} micro-batches on {n} stages")
             elif a in seen:
                 problems.append(f"worker {w}: {a} appears again")
-            elif stage_worker(a.j, n, v) != w:
-                problems.append(f"worker {w}: {a} belongs to worker {stage_worker(a.j, n, v)}")
-            elif a.kind == "B" and Action("F", a.i, a.j) not in seen:
+            elif owner != w:
+                problems.append(f"worker {w}: {a} belongs to worker {owner}")
+            elif a.kind in ("B", "I") and Action("F", a.i, a.j) not in seen:
                 problems.append(f"worker {w}: {a} comes before its forward")
+            elif a.kind == "W" and Action("I", a.i, a.j) not in seen:
+                problems.append(f"worker {w}: {a} comes before its input gradient {Action('I', a.i, a.j)}")
+            elif a.kind in ("B", "I") and Action("I" if a.kind == "B" else "B", a.i, a.j) in seen:
+                problems.append(f"worker {w}: {a} after {Action('I' if a.kind == 'B' else 'B', a.i, a.j)}: "
+                                f"a micro-batch's backward on a stage is either B or I and W")
             seen.setdefault(a, w)
-    missing = [Action(k, i, j) for j in range(n) for i in range(m) for k in "FB" if Action(k, i, j) not in seen]
+    missing = [Action("F", i, j) for j in range(n) for i in range(m) if Action("F", i, j) not in seen]
+    for i, j in ((i, j) for j in range(n) for i in range(m)):
+        b, i_, w_ = (Action(k, i, j) in seen for k in "BIW")
+        if not (b or i_):
+            missing.append(Action("B", i, j))
+        elif i_ and not w_:
+            missing.append(Action("W", i, j))
     if missing:
         problems.append(f"{len(missing)} actions in no order, first {missing[:4]}")
-    if schedule is not None and parse_schedule(schedule) == "1F1B":
-        valid = [[a for a in order if a.kind in ("F", "B") and 0 <= a.j < n] for order in orders]
-        problems += [f"stage {j}: {peak} micro-batches in flight, 1F1B allows {n - j}"
-                     for j, peak in enumerate(peak_in_flight(valid, n)) if peak > n - j]
+    if name is not None and not problems:
+        problems += _bound_problems(orders, name, n, m, v)
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ValueError(f"the orders break {len(problems)} schedule invariant(s):\n  {shown}")
 
 
-def _needs(a: Action, n: int) -> Action | None:
-    """The action of another stage that ``a`` waits for: the previous stage's forward of the same
-    micro-batch, the next stage's backward, or (for the last stage's backward) its own forward."""
+def _bound_problems(orders: Sequence[Sequence[Action]], name: str, n: int, m: int, v: int) -> list[str]:
+    """The stages (and, for ZBVZeroBubble, the workers) holding more micro-batches in flight than
+    ``name`` promises (``_in_flight_caps``); none for a schedule that promises no bound."""
+    if name not in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        return []
+    caps = _in_flight_caps(name, n, m, v)
+    problems = [f"stage {j}: {peak} micro-batches in flight, {name} allows {caps[j]}"
+                for j, peak in enumerate(peak_in_flight(orders, n)) if peak > caps[j]]
+    if name == "ZBVZeroBubble":
+        problems += [f"worker {w}: {peak} stage-micro-batches in flight, ZBVZeroBubble allows {n}"
+                     for w, peak in enumerate(worker_peaks(orders, n)) if peak > n]
+    return problems
+
+
+def _needs(a: Action, n: int, grad: Mapping[tuple[int, int], str]) -> Action | None:
+    """The action of another stage (or an earlier one of the same stage) that ``a`` waits for: the
+    previous stage's forward of the same micro-batch; for a backward (``B`` or ``I``), the next stage's
+    backward of it (``B`` or ``I``, whichever that stage runs: ``grad``), or on the last stage its own
+    forward; for ``W``, its ``I``."""
     if a.kind == "F":
         return Action("F", a.i, a.j - 1) if a.j > 0 else None
-    return Action("B", a.i, a.j + 1) if a.j < n - 1 else Action("F", a.i, a.j)
+    if a.kind == "W":
+        return Action("I", a.i, a.j)
+    return Action(grad.get((a.i, a.j + 1), "B"), a.i, a.j + 1) if a.j < n - 1 else Action("F", a.i, a.j)
 
 
 def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | None = None) -> Simulation:
     """The ticks at which workers following ``orders`` would start each action: a worker runs its
     actions one at a time, in its order, each as soon as the action it needs (``_needs``) has ended.
-    ``costs`` gives the duration per kind (default 1 tick each, e.g. ``{"F": 1, "B": 2}``); transfers
-    are free. Raises ValueError naming what each stuck worker waits for if an order can never proceed
-    (a deadlock: a runtime following it would hang)."""
-    cost = {"F": 1.0, "B": 1.0, **(costs or {})}
+    Stages are numbered along the pipeline (stage j feeds stage j + 1) whatever worker runs them.
+    ``costs`` gives the duration per kind, ``F``, ``B``, ``I``, ``W`` (default 1 tick each, e.g.
+    ``{"F": 1, "B": 2}``; a fused B costs what is given for it, not I + W: pass ``{"B": 2}`` to compare
+    a fused schedule with a split one fairly); transfers are free. Raises ValueError naming what each
+    stuck worker waits for if an order can never proceed (a deadlock: a runtime following it would
+    hang)."""
+    cost = {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **(costs or {})}
     if any(c <= 0 for c in cost.values()):
         raise ValueError(f"costs must be positive, got {dict(cost)}")
     n = 1 + max((a.j for order in orders for a in order), default=-1)
+    grad = {(a.i, a.j): a.kind for order in orders for a in order if a.kind in ("B", "I")}
     ends: dict[Action, float] = {}
     starts: dict[Action, float] = {}
     nexts, free_at, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
@@ -314,7 +560,7 @@ def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | No
         for w, order in enumerate(orders):
             if nexts[w] < len(order) and free_at[w] <= t:
                 a = order[nexts[w]]
-                need = _needs(a, n)
+                need = _needs(a, n, grad)
                 if need is None or ends.get(need, t + 1) <= t:
                     starts[a], ends[a] = t, t + cost[a.kind]
                     free_at[w] = ends[a]
@@ -327,7 +573,7 @@ def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | No
         stuck = [(w, order[nexts[w]]) for w, order in enumerate(orders) if nexts[w] < len(order)]
         if not stuck:
             return Simulation(starts, max(ends.values(), default=0.0), busy)
-        waits = "; ".join(f"worker {w} at {a} waits for {_needs(a, n)}" for w, a in stuck)
+        waits = "; ".join(f"worker {w} at {a} waits for {_needs(a, n, grad)}" for w, a in stuck)
         raise ValueError(f"deadlock at tick {t:g}: {waits}")
 
 

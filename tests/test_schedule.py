@@ -28,8 +28,9 @@ def test_ideal_efficiency():
 
 import itertools
 
-from rrefpipe.schedule import (SCHEDULES, Action, check_orders, format_orders, parse_schedule, peak_in_flight,
-                               simulate, stage_worker, worker_orders)
+from rrefpipe.schedule import (SCHEDULES, Action, check_orders, check_schedule, format_orders, is_split, is_v_shaped,
+                               parse_schedule, peak_in_flight, simulate, stage_layout, stage_worker, worker_orders,
+                               worker_peaks)
 
 
 def labels(orders, with_stage=False):
@@ -44,6 +45,17 @@ def grid():
         for v in range(1, n + 1):
             if n % v == 0 and m % (n // v) == 0:
                 yield "Interleaved1F1B", n, m, v
+            if n % v == 0:
+                yield "InterleavedZeroBubble", n, m, v
+        if n % 2 == 0:
+            yield "ZBVZeroBubble", n, m, 2
+            if m >= n:
+                yield "DualPipeV", n, m, 2
+
+
+def ends(orders):
+    """Per (i, j), the kind of action that carries its gradient back: "B", or "I" where it is split."""
+    return {(a.i, a.j): a.kind for order in orders for a in order if a.kind in "BI"}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "GPIPE", "1f1b", "interleaved1f1b", "Interleaved1F1B"])
@@ -132,25 +144,31 @@ def test_every_order_keeps_the_invariants_and_never_deadlocks():
     for name, n, m, v in grid():
         orders = worker_orders(name, n, m, v)
         check_orders(orders, n, m, name, stages_per_worker=v)
-        for costs in (None, {"F": 1, "B": 2}, {"F": 3, "B": 1}):
+        split = sum(kind == "I" for kind in ends(orders).values())
+        assert (split > 0) == is_split(name) and len(ends(orders)) == n * m, (name, n, m, v)
+        for costs in (None, {"F": 1, "B": 2}, {"F": 3, "B": 1, "I": 2, "W": 1}, {"F": 1, "I": 1, "W": 4}):
             sim = simulate(orders, costs)
-            assert len(sim.starts) == 2 * n * m, (name, n, m, v)
+            assert len(sim.starts) == 2 * n * m + split, (name, n, m, v)
 
 
 def test_gpipe_and_1f1b_take_2_m_plus_n_minus_1_ticks_at_unit_costs():
     for name, n, m, v in grid():
-        if name != "Interleaved1F1B":
+        if name in ("GPipe", "1F1B"):
             assert simulate(worker_orders(name, n, m)).makespan == 2 * (m + n - 1), (name, n, m)
 
 
 def test_simulated_starts_respect_the_dependencies():
+    costs = {"F": 1, "B": 2, "I": 3, "W": 1}
     for name, n, m, v in grid():
-        starts = simulate(worker_orders(name, n, m, v), {"F": 1, "B": 2}).starts
+        orders = worker_orders(name, n, m, v)
+        starts, back = simulate(orders, costs).starts, ends(orders)
         for i, j in itertools.product(range(m), range(n)):
             if j:
                 assert starts[Action("F", i, j)] >= starts[Action("F", i, j - 1)] + 1
-            after = Action("B", i, j + 1) if j < n - 1 else Action("F", i, j)
-            assert starts[Action("B", i, j)] >= starts[after] + (2 if after.kind == "B" else 1)
+            after = Action(back[i, j + 1], i, j + 1) if j < n - 1 else Action("F", i, j)
+            assert starts[Action(back[i, j], i, j)] >= starts[after] + costs[after.kind], (name, n, m, v, i, j)
+            if back[i, j] == "I":
+                assert starts[Action("W", i, j)] >= starts[Action("I", i, j)] + costs["I"]
 
 
 def test_1f1b_holds_at_most_n_minus_j_micro_batches_gpipe_all_m():
@@ -206,3 +224,226 @@ def test_an_order_that_cannot_proceed_is_a_deadlock():
         simulate([[Action("B", 0, 0)], []])  # backward of stage 0 of 2 needs stage 1's, which no order holds
     with pytest.raises(ValueError, match="costs must be positive"):
         simulate(orders, {"B": 0})
+
+
+# The zero-bubble schedules (issue 49): split backward (I, W), the V layout, their bubbles and memory.
+
+UNIT = {"F": 1, "I": 1, "W": 1}
+FUSED_AS_SPLIT = {"F": 1, "I": 1, "W": 1, "B": 2}  # a fused backward weighs its two halves
+
+
+def valid(name, n, v, chunks=range(1, 17)):
+    for m in chunks:
+        try:
+            check_schedule(name, n, m, v)
+        except ValueError:
+            continue
+        yield m
+
+
+@pytest.mark.parametrize("name, v, split, fused, v_shaped", [
+    ("GPipe", 1, False, True, False), ("1F1B", 1, False, True, False), ("Interleaved1F1B", 2, False, True, False),
+    ("interleavedzerobubble", 2, True, False, False), ("ZBVZEROBUBBLE", 2, True, False, True),
+    ("dualpipev", 2, True, True, True)])
+def test_which_schedules_split_backward_and_which_are_v_shaped(name, v, split, fused, v_shaped):
+    assert parse_schedule(name) in SCHEDULES
+    assert is_split(name) is split and is_v_shaped(name) is v_shaped
+    kinds = {a.kind for order in worker_orders(name, 4, 8, v) for a in order}
+    assert ({"I", "W"} <= kinds, bool({"I", "W"} & kinds), "B" in kinds) == (split, split, fused)
+
+
+def test_v_layout_puts_stage_j_and_2p_minus_1_minus_j_on_one_worker():
+    for name, p in itertools.product(("ZBVZeroBubble", "DualPipeV"), range(1, 6)):
+        layout = stage_layout(name, 2 * p, 2)
+        assert layout[0] == layout[-1] == 0 and layout[p - 1] == layout[p] == p - 1
+        assert all(layout[j] == layout[2 * p - 1 - j] == min(j, 2 * p - 1 - j) for j in range(2 * p))
+        assert sorted(layout) == sorted(list(range(p)) * 2)
+        assert [stage_worker(j, 2 * p, 2, name) for j in range(2 * p)] == layout
+    for name in ("GPipe", "Interleaved1F1B", "InterleavedZeroBubble"):  # the loop layout, as stage_worker had it
+        for n, v in ((4, 1), (6, 2), (6, 3)):
+            if name == "GPipe" and v > 1:
+                continue
+            assert stage_layout(name, n, v) == [stage_worker(j, n, v) for j in range(n)] == [j % (n // v)
+                                                                                             for j in range(n)]
+    assert stage_worker(3, 4, 2) == 1 and stage_worker(3, 4, 2, "ZBVZeroBubble") == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("ZBVZeroBubble", 4, 8, 1), "ZBVZeroBubble puts two stages on each worker in a V .*: use stages_per_worker=2, "
+                                 "got 1"),
+    (("DualPipeV", 8, 8, 4), "DualPipeV puts two stages on each worker .*use stages_per_worker=2, got 4"),
+    (("ZBVZeroBubble", 5, 8, 2), "the stage count must be even, got stages=5: use stages=6 or 4"),
+    (("DualPipeV", 6, 5, 2), "too few micro-batches for DualPipeV: chunks >= 6 .*got chunks=5"),
+    (("InterleavedZeroBubble", 6, 4, 4), "stages_per_worker=4 must be a positive divisor .* \\[1, 2, 3, 6\\]"),
+    (("GPipe", 4, 4, 2), "'Interleaved1F1B' or 'InterleavedZeroBubble' .* 'ZBVZeroBubble' or 'DualPipeV' \\(2\\); "
+                         "GPipe runs one stage"),
+])
+def test_zero_bubble_arguments_that_do_not_fit_say_what_to_change(args, message):
+    with pytest.raises(ValueError, match=message):
+        worker_orders(*args)
+    with pytest.raises(ValueError, match=message):
+        check_schedule(*args)
+
+
+def test_what_each_zero_bubble_schedule_accepts():
+    assert list(valid("DualPipeV", 6, 2)) == list(range(6, 17))  # torch.distributed.pipelining's minimum
+    assert list(valid("ZBVZeroBubble", 6, 2)) == list(range(1, 17))
+    assert list(valid("InterleavedZeroBubble", 6, 2)) == list(range(1, 17))  # no rounds: any m
+    assert list(valid("InterleavedZeroBubble", 3, 1)) == list(range(1, 17))  # v = 1: ZB-H1
+
+
+def zero_bubble_cases():
+    """(name, stages, chunks, v) of the split schedules for p = 1..4 workers, chunks up to 16."""
+    for p in range(1, 5):
+        for v in (1, 2, 3):
+            yield from (("InterleavedZeroBubble", p * v, m, v) for m in valid("InterleavedZeroBubble", p * v, v))
+        for name in ("ZBVZeroBubble", "DualPipeV"):
+            yield from ((name, 2 * p, m, 2) for m in valid(name, 2 * p, 2))
+
+
+def test_zero_bubble_orders_keep_the_invariants_and_never_deadlock():
+    for name, n, m, v in zero_bubble_cases():
+        orders = worker_orders(name, n, m, v)
+        check_orders(orders, n, m, name, v)
+        for costs in (UNIT, FUSED_AS_SPLIT, {"F": 1, "I": 2, "W": 3, "B": 5}, {"F": 3, "I": 1, "W": 0.5}):
+            simulate(orders, costs)  # raises on a deadlock
+        kinds = {(a.kind, a.j) for order in orders for a in order}
+        if name == "DualPipeV":
+            # fused B for most micro-batches, I/W for 2p - 1 - r on worker r (its docstring)
+            assert [sum(a.kind == "I" for a in order) for order in orders] == [n - 1 - r for r in range(n // 2)]
+        else:
+            assert not any(kind == "B" for kind, _ in kinds)
+
+
+def test_zb_h1_bubble_is_two_thirds_of_1f1bs_on_1f1bs_memory():
+    """InterleavedZeroBubble with one stage per worker: 2 (p - 1) idle ticks per worker against 1F1B's
+    3 (p - 1) when its B weighs I + W, each stage holding no more than 1F1B's n - j."""
+    for p, m in itertools.product(range(1, 6), range(1, 17)):
+        zb, one = worker_orders("InterleavedZeroBubble", p, m), worker_orders("1F1B", p, m)
+        assert simulate(zb, UNIT).makespan == 3 * m + 2 * (p - 1), (p, m)
+        assert simulate(one, FUSED_AS_SPLIT).makespan == 3 * m + 3 * (p - 1), (p, m)
+        if p > 1:
+            assert simulate(zb, UNIT).bubble < simulate(one, FUSED_AS_SPLIT).bubble
+            assert simulate(zb, UNIT).bubble < simulate(one).bubble  # and than 1F1B at F = B = 1
+        assert peak_in_flight(zb, p) == peak_in_flight(one, p) == [min(m, p - j) for j in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_interleaved_zero_bubble_beats_interleaved_1f1b_on_its_per_stage_memory(p):
+    for v in (2, 3):
+        n = p * v
+        for m in range(p, 4 * p + 1, p):
+            zb, base = worker_orders("InterleavedZeroBubble", n, m, v), worker_orders("Interleaved1F1B", n, m, v)
+            assert all(a <= b for a, b in zip(peak_in_flight(zb, n), peak_in_flight(base, n))), (p, v, m)
+            assert simulate(zb, UNIT).bubble < simulate(base, FUSED_AS_SPLIT).bubble, (p, v, m)
+            if m >= 2 * p:
+                assert simulate(zb, UNIT).bubble < 0.75 * simulate(base, FUSED_AS_SPLIT).bubble, (p, v, m)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_zbv_is_near_zero_bubble_with_1f1bs_peak_on_every_worker(p):
+    """ZBVZeroBubble: from m = 2p on, p - 1 idle ticks per worker (the least: worker p - 1 waits that long
+    for its first forward) out of 6m; each worker holds at most 2p stage-halves, what 1F1B's worker 0
+    holds of the same model in p stages (2 x p), its peak over the workers."""
+    one_peak = max(peak_in_flight(worker_orders("1F1B", p, 4 * p), p))
+    assert one_peak == p
+    for m in range(1, 4 * p + 1):
+        orders = worker_orders("ZBVZeroBubble", 2 * p, m, 2)
+        sim = simulate(orders, UNIT)
+        if m >= 2 * p:
+            assert sim.makespan == 6 * m + p - 1, m
+            assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1)) and sim.bubble < 0.06
+            if p > 1:
+                assert sim.bubble < simulate(worker_orders("1F1B", p, m), FUSED_AS_SPLIT).bubble / 3
+                if m % p == 0:
+                    assert sim.bubble < simulate(worker_orders("Interleaved1F1B", 2 * p, m, 2), FUSED_AS_SPLIT).bubble
+        peaks = worker_peaks(orders, 2 * p)
+        assert max(peaks) <= 2 * one_peak, (m, peaks)
+        if m >= 2 * p:
+            assert peaks == [2 * p] * p, (m, peaks)
+        assert peak_in_flight(orders, 2 * p) == [min(m, 2 * p - 1 - j if j < p else 2 * p - j) for j in range(2 * p)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_dual_pipe_v_bubble_and_peak(p):
+    """DualPipeV holds 2p stage-halves per worker at most (its backward runs before the forward DualPipe
+    overlaps it with), as ZBVZeroBubble; its bubble is ZBVZeroBubble's when B weighs I + W."""
+    for m in range(2 * p, 17):
+        orders = worker_orders("DualPipeV", 2 * p, m, 2)
+        assert worker_peaks(orders, 2 * p) == [2 * p] * p
+        zbv = simulate(worker_orders("ZBVZeroBubble", 2 * p, m, 2), UNIT)
+        assert simulate(orders, FUSED_AS_SPLIT).makespan <= zbv.makespan
+        if p > 1:
+            assert simulate(orders, FUSED_AS_SPLIT).bubble < simulate(worker_orders("1F1B", p, m),
+                                                                      FUSED_AS_SPLIT).bubble / 3
+
+
+def test_zero_bubble_tables_show_i_and_w():
+    table = format_orders(worker_orders("ZBVZeroBubble", 4, 4, 2)).splitlines()
+    assert table[0].startswith("tick      0 ") and len(table) == 3
+    assert all(cell in table[1].split() for cell in ("0F0", "3F0", "3I0", "3W0", "0I3", "0W3"))
+    assert all(cell in table[2].split() for cell in ("1F0", "2F0", "2I0", "1W3"))
+    zb1 = format_orders(worker_orders("InterleavedZeroBubble", 2, 2)).splitlines()
+    # Hand-checked: worker 1 (the last stage, 1 in flight) must run F I W per micro-batch; worker 0 may
+    # hold 2, and between the I0 and I1 that worker 1 sends back it has only W0 to run.
+    assert zb1[1].split()[2:] == ["F0", "F1", ".", "I0", "W0", ".", "I1", "W1"]
+    assert zb1[2].split()[2:] == [".", "F0", "I0", "W0", "F1", "I1", "W1", "."]
+    assert Action("I", 3, 5).label() == "I3" and Action("W", 3, 5).label(with_stage=True) == "5W3"
+
+
+def test_peak_in_flight_ends_a_split_micro_batch_at_its_w():
+    order = [[Action("F", 0, 0), Action("F", 1, 0), Action("I", 0, 0), Action("F", 2, 0), Action("W", 0, 0),
+              Action("I", 1, 0), Action("W", 1, 0), Action("I", 2, 0), Action("W", 2, 0)]]
+    assert peak_in_flight(order, 1) == worker_peaks(order, 1) == [3]
+    fused = [[Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("F", 2, 0), Action("B", 1, 0),
+              Action("B", 2, 0)]]
+    assert peak_in_flight(fused, 1) == [2]
+    two = [[Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1), Action("B", 0, 0)]]
+    assert peak_in_flight(two, 2) == [1, 1] and worker_peaks(two, 2) == [2]
+
+
+def test_check_orders_lists_broken_split_invariants():
+    F, I, W, B = (lambda i, j, k=k: Action(k, i, j) for k in "FIWB")
+    # 2 stages, 2 micro-batches, one stage per worker
+    broken = [[F(0, 0), W(0, 0), I(0, 0), F(1, 0), B(1, 0), I(1, 0), W(1, 0)],
+              [F(0, 1), I(0, 1), F(1, 1), B(1, 1)]]
+    with pytest.raises(ValueError) as e:
+        check_orders(broken, 2, 2)
+    text = str(e.value)
+    assert "worker 0: Action(kind='W', i=0, j=0) comes before its input gradient Action(kind='I', i=0, j=0)" in text
+    assert "worker 0: Action(kind='I', i=1, j=0) after Action(kind='B', i=1, j=0): a micro-batch's backward" in text
+    assert "actions in no order" in text and "Action(kind='W', i=0, j=1)" in text  # I without W
+    # the V layout: stage 3 of 4 is worker 0's
+    orders = worker_orders("ZBVZeroBubble", 4, 2, 2)
+    check_orders(orders, 4, 2, "zbvzerobubble", 2)
+    with pytest.raises(ValueError, match="Action.kind='F', i=0, j=3. belongs to worker 1"):
+        check_orders(orders, 4, 2, None, 2)  # without the schedule: the loop layout
+
+
+def test_check_orders_holds_zero_bubble_schedules_to_their_bounds():
+    gpipe_like = [[Action("F", i, 0) for i in range(4)] + [a for i in range(4) for a in
+                                                         (Action("I", i, 0), Action("W", i, 0))]]
+    check_orders(gpipe_like, 1, 4)
+    with pytest.raises(ValueError, match="stage 0: 4 micro-batches in flight, InterleavedZeroBubble allows 1"):
+        check_orders(gpipe_like, 1, 4, "InterleavedZeroBubble")  # the last stage: 1F1B's n - j = 1
+    two = worker_orders("InterleavedZeroBubble", 2, 4)
+    late = [[a for a in two[0] if a.kind != "W"] + [a for a in two[0] if a.kind == "W"], two[1]]
+    check_orders(late, 2, 4)
+    with pytest.raises(ValueError, match="stage 0: 4 micro-batches in flight, InterleavedZeroBubble allows 2"):
+        check_orders(late, 2, 4, "InterleavedZeroBubble")
+    zbv = worker_orders("ZBVZeroBubble", 4, 6, 2)
+    w0 = [a for a in zbv[0] if a.kind == "F"] + [a for a in zbv[0] if a.kind != "F"]  # every forward first
+    with pytest.raises(ValueError, match=r"stage 0: 6 micro-batches in flight, ZBVZeroBubble allows 3(.|\n)*"
+                                         r"worker 0: 12 stage-micro-batches in flight, ZBVZeroBubble allows 4"):
+        check_orders([w0, zbv[1]], 4, 6, "ZBVZeroBubble", 2)
+
+
+def test_simulate_waits_for_the_next_stages_input_gradient_and_w_for_its_i():
+    mixed = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1), Action("I", 0, 1), Action("W", 0, 1)]]
+    sim = simulate(mixed, {"F": 1, "I": 2, "W": 5, "B": 1})
+    assert sim.starts[Action("B", 0, 0)] == 4 and sim.makespan == 9  # after I(0, 1), not after its W
+    with pytest.raises(ValueError, match=r"worker 0 at Action\(kind='W', i=0, j=0\) waits for "
+                                         r"Action\(kind='I', i=0, j=0\)"):
+        simulate([[Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)]])
+    with pytest.raises(ValueError, match="costs must be positive"):
+        simulate(mixed, {"W": 0})
