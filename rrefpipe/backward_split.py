@@ -30,8 +30,6 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from . import memory
-
 __all__ = ["WeightGradients", "input_gradients"]
 
 # The engine call behind torch.autograd.grad and backward, without their Python check of the given
@@ -95,7 +93,9 @@ def _add(starts: dict[tuple[Node, int], Tensor], edge: GradientEdge, g: Tensor) 
 def input_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor],
                     params: Sequence[Tensor]) -> tuple[list[Tensor | None], WeightGradients]:
     """Backward from ``roots`` (given ``grads``) to ``inputs`` only: their gradients (None where none
-    reached one), and what :meth:`WeightGradients.run` needs to give ``params`` theirs later."""
+    reached one), and what :meth:`WeightGradients.run` needs to give ``params`` theirs later. The caller
+    drops ``roots`` (the graph above the border) before it counts :meth:`WeightGradients.kept` as memory
+    kept for backward (``rrefpipe.memory.count_kept``): never both at once."""
     params = [p for p in params if p.requires_grad]
     param_nodes = {get_gradient_edge(p).node for p in params}
     input_nodes = {get_gradient_edge(t).node for t in inputs}
@@ -116,7 +116,6 @@ def input_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Se
         for hook in hooks:
             hook.remove()
     later.border = [(node, arrived[node], edges) for node, edges in border.items() if node in arrived]
-    memory.count_kept(later.kept())
     return list(got), later
 
 

@@ -36,7 +36,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import autocast, backward_split, gradients, microbatch, replicas, server
+from . import autocast, backward_split, gradients, memory, microbatch, replicas, server
 from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import checked_loss, weights
@@ -328,7 +328,13 @@ class _StepRun:
             leaves = [t for t in kept.inputs if t is not None] + list(kept.skip_leaves.values())
             if kept.loss is not None:
                 roots, grads = [kept.loss, *roots], [torch.ones_like(kept.loss), *grads]
-            got, self.later[(j, i)] = backward_split.input_gradients(roots, grads, leaves, self.params[j])
+            got, later = backward_split.input_gradients(roots, grads, leaves, self.params[j])
+            roots.clear()  # the graph above the border goes now: the kept gradients take its place
+            kept.outputs.clear()
+            kept.skips_out.clear()
+            kept.loss = None
+            memory.count_kept(later.kept())
+            self.later[(j, i)] = later
             by_leaf = {id(t): g for t, g in zip(leaves, got)}
             grad = lambda t: None if t is None else by_leaf[id(t)]  # noqa: E731
         else:

@@ -194,6 +194,7 @@ def test_the_kept_gradients_are_counted_as_kept_for_backward():
         before = memory.local_report().saved_now
         assert before
         _, later = input_gradients([out], [torch.ones_like(out)], [x], list(model.parameters()))
+        memory.count_kept(later.kept())
         held = later.held_bytes
         assert held == 3 * 8 * 16 * 4  # the gradient reaching each of the three Linear layers
         assert memory.local_report().saved_now == before + held

@@ -312,3 +312,17 @@ def test_interleaved_gpt_with_the_tied_copies_on_two_workers(cluster):
         assert [s.worker for s in pipe.stages] == [w0, w1, w0, w1]
         assert pipe._captured is not None and [sorted(t.names) for t in pipe._captured.tied] == [[0, 3]]
         train_captured_side_by_side(pipe, plain, token_batches(1, seed=17), lm_loss, ["1F1B"], ADAM)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_zero_bubble_gpt_with_the_tied_copies(cluster, schedule):
+    """4 stages, 2 per worker, each backward split in two: in the V (ZBVZeroBubble) the embedding (stage 0)
+    and its tied head (stage 3) are both on worker 0; in the loop (InterleavedZeroBubble) on two workers."""
+    w0, w1 = cluster.names[:2]
+    model, plain = gpt(seed=18), gpt(seed=18)
+    with Pipe(model, chunks=4, split_points=["blocks.1", "blocks.2", "blocks.3"], sample=token_batches(1)[0][0],
+              schedule=schedule, stages_per_worker=2, workers=[w0, w1]) as pipe:
+        v_shaped = schedule == "ZBVZeroBubble"
+        assert [s.worker for s in pipe.stages] == ([w0, w1, w1, w0] if v_shaped else [w0, w1, w0, w1])
+        assert pipe._captured is not None and [sorted(t.names) for t in pipe._captured.tied] == [[0, 3]]
+        train_captured_side_by_side(pipe, plain, token_batches(2, seed=19), lm_loss, ["1F1B"] * 2, ADAM)

@@ -2,8 +2,10 @@
 in the context, and the parameters after optimizer steps; with skips, tuple boundaries, tuple targets,
 unequal micro-batches, deferred batch norm, clipping, loss scaling, schedulers and accumulation.
 
-Each schedule runs on its own layout: GPipe and 1F1B on 3 stages (3 workers), Interleaved1F1B on 4
-stages, 2 per worker (stage j on worker j mod 2)."""
+Each schedule runs on its own layout: GPipe and 1F1B on 3 stages (3 workers), Interleaved1F1B and
+InterleavedZeroBubble on 4 stages, 2 per worker (stage j on worker j mod 2), ZBVZeroBubble and DualPipeV on
+4 stages in a V (stages 0 and 3 on worker 0, 1 and 2 on worker 1). The zero-bubble schedules split each
+backward in two (the inputs' gradients, then the weights'), which must change no number."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -20,7 +22,7 @@ from torch.optim.lr_scheduler import StepLR
 import rrefpipe.optim
 from rrefpipe import GradScaler, Pipe
 from rrefpipe.optim import RemoteLRScheduler
-from rrefpipe.schedule import worker_orders
+from rrefpipe.schedule import is_split, worker_orders
 from rrefpipe.skip import Namespace
 from tests.conftest import run_script
 from tests.distributed.probes import stage_gradients
@@ -29,9 +31,10 @@ from tests.training import batches_with_overflows, model_that_overflows
 
 pytestmark = pytest.mark.timeout(120)
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 CHECKPOINTS = ("always", "except_last", "never")
-LAYOUT = {"GPipe": (3, 1), "1F1B": (3, 1), "Interleaved1F1B": (4, 2)}  # schedule -> (stages, stages per worker)
+LAYOUT = {"GPipe": (3, 1), "1F1B": (3, 1), "Interleaved1F1B": (4, 2),  # schedule -> (stages, stages per worker)
+          "InterleavedZeroBubble": (4, 2), "ZBVZeroBubble": (4, 2), "DualPipeV": (4, 2)}
 MLP_BALANCE = {2: [3, 4], 3: [2, 3, 2], 4: [2, 2, 2, 1]}  # mlp([5, 8, 8, 6, 3]): 7 layers
 
 
@@ -304,10 +307,12 @@ def test_two_train_steps_in_one_context_add_up_their_gradients(cluster):
 
 
 # -- the order the stages ran ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("schedule", "stages", "per_worker"), [("GPipe", 2, 1), ("1F1B", 2, 1),
-                                                                 ("Interleaved1F1B", 4, 2)])
+@pytest.mark.parametrize(("schedule", "stages", "per_worker"), [
+    ("GPipe", 2, 1), ("1F1B", 2, 1), ("Interleaved1F1B", 4, 2), ("InterleavedZeroBubble", 2, 1),
+    ("ZBVZeroBubble", 4, 2), ("DualPipeV", 4, 2)])
 def test_the_execution_record_follows_the_schedule(cluster, schedule, stages, per_worker):
-    """Each stage's forwards and backwards, by start time, in the order ``worker_orders`` gives its worker."""
+    """Each stage's forwards and backwards, by start time, in the order ``worker_orders`` gives its worker;
+    under a split schedule "backward" is the inputs' gradient (I, or a whole B) and "weight" the rest (W)."""
     m = 4
     model = mlp([5, 8, 8, 6, 3], seed=18)
     with Pipe(model, chunks=m, checkpoint="never", schedule=schedule, stages_per_worker=per_worker,
@@ -316,12 +321,13 @@ def test_the_execution_record_follows_the_schedule(cluster, schedule, stages, pe
         with dist_autograd.context() as ctx:
             pipe.train_step(ctx, x, y, F.cross_entropy)
         events = pipe.execution_record()
-    assert {e.kind for e in events} == {"forward", "backward"}
+    split = is_split(schedule)
+    assert {e.kind for e in events} == ({"forward", "backward", "weight"} if split else {"forward", "backward"})
     expected = [a for order in worker_orders(schedule, stages, m, per_worker) for a in order]
     for j in range(stages):
         mine = sorted((e for e in events if e.stage == j), key=lambda e: e.start)
         ran = [(e.kind[0].upper(), e.microbatch) for e in mine]
-        assert ran == [(a.kind, a.i) for a in expected if a.j == j], (j, ran)
+        assert ran == [({"I": "B"}.get(a.kind, a.kind), a.i) for a in expected if a.j == j], (j, ran)
         forwards = [e.start for e in mine if e.kind == "forward"]
         backwards = [e.start for e in mine if e.kind == "backward"]
         assert len(forwards) == len(backwards) == m
@@ -351,7 +357,7 @@ def test_in_a_world_of_one_train_step_equals_the_plain_model():
         warnings.simplefilter("ignore")
         g = torch.Generator().manual_seed(0)
         for schedule, per_worker, balance in (("GPipe", 1, [3, 4]), ("1F1B", 1, [2, 3, 2]),
-                                              ("Interleaved1F1B", 2, [2, 2, 2, 1])):
+                                              ("Interleaved1F1B", 2, [2, 2, 2, 1]), ("ZBVZeroBubble", 2, [2, 2, 2, 1])):
             model = mlp([5, 8, 8, 6, 3], seed=20)
             plain = copy.deepcopy(model)
             pipe = Pipe(model, chunks=4, schedule=schedule, stages_per_worker=per_worker, balance=balance)
@@ -380,7 +386,7 @@ def test_in_a_world_of_one_train_step_equals_the_plain_model():
             print("ok", schedule)
         rpc.shutdown()
     """, timeout=100)
-    assert proc.stdout.splitlines() == ["ok GPipe", "ok 1F1B", "ok Interleaved1F1B"], proc.stdout
+    assert proc.stdout.splitlines() == ["ok GPipe", "ok 1F1B", "ok Interleaved1F1B", "ok ZBVZeroBubble"], proc.stdout
 
 
 # -- fresh workers ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from rrefpipe import Pipe, StageError, WorkerError
 from tests.conftest import record_surfacing, run_script
 from tests.distributed.probes import all_counts, stage_gradients
+from rrefpipe.schedule import worker_orders
 from tests.layers import RaiseInBackward
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,6 +32,7 @@ FORWARD_FAIL = 1e9  # an input row of this value makes FailsOn raise in forward
 BACKWARD_FAIL = -1e9  # ... in backward
 HOLD = 7e8  # ... and HoldsOn wait (in forward or backward) until its worker is killed
 TARGET_FAIL = 5e8  # a target row of this value makes loss_raising raise
+WEIGHT_FAIL = -5e8  # ... and FailsInWeight raise in its weight's gradient (a split backward's W)
 
 
 # -- layers and losses (imported by the workers) -----------------------------------------------------
@@ -44,6 +46,21 @@ class FailsOn(nn.Module):
         if bool((x == BACKWARD_FAIL).any()):
             return RaiseInBackward("backward of a marked micro-batch")(x)
         return x.clone()
+
+
+class FailsInWeight(nn.Module):
+    """The identity as a Linear(4, 4); on a micro-batch holding WEIGHT_FAIL, the gradient of its weight
+    raises and its input's does not: under a zero-bubble schedule, in the second half of backward (W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if bool((x == WEIGHT_FAIL).any()):
+            w = RaiseInBackward("the weight's gradient of a marked micro-batch")(w)
+        return x @ w
 
 
 def _hold(folder: str, phase: str) -> None:
@@ -68,6 +85,31 @@ class _HoldInBackward(torch.autograd.Function):
         if ctx.marked and ctx.layer.phase == "backward":
             _hold(ctx.layer.folder, "backward")
         return grad, None
+
+
+class _HoldInWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, folder):  # type: ignore[no-untyped-def]
+        ctx.folder = folder
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        _hold(ctx.folder, "weight")
+        return grad, None
+
+
+class HoldsInWeight(nn.Module):
+    """The identity as a Linear(4, 4); on a micro-batch holding HOLD, the gradient of its weight (W, under a
+    zero-bubble schedule, after its I has sent the input's gradient on) waits until the test kills its worker."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+        self.weight = nn.Parameter(torch.eye(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ (_HoldInWeight.apply(self.weight, self.folder) if bool((x == HOLD).any()) else self.weight)
 
 
 class HoldsOn(nn.Module):
@@ -200,9 +242,18 @@ CONSTRUCTION = [
      ["stages_per_worker must be a positive int, got 0"]),
     ("schedule not a string", _lin4(schedule=None), ["schedule must be one of", "got None"]),
     ("stages_per_worker without Interleaved1F1B", _lin4(schedule="1F1B", stages_per_worker=2),
-     ["stages_per_worker=2 needs schedule='Interleaved1F1B'", "use stages_per_worker=1"]),
+     ["stages_per_worker=2 needs a schedule that runs several stages on a worker: schedule='Interleaved1F1B'",
+      "use stages_per_worker=1"]),
     ("stages_per_worker with GPipe by default", _lin4(stages_per_worker=2),
-     ["stages_per_worker=2 needs schedule='Interleaved1F1B'"]),
+     ["stages_per_worker=2 needs a schedule that runs several stages on a worker"]),
+    ("a V with one stage per worker", _lin4(schedule="ZBVZeroBubble"),
+     ["ZBVZeroBubble puts two stages on each worker in a V", "use stages_per_worker=2, got 1"]),
+    ("too few micro-batches for DualPipeV", _lin4(chunks=3, schedule="DualPipeV", stages_per_worker=2),
+     ["too few micro-batches for DualPipeV: chunks >= 4", "got chunks=3"]),
+    ("workers per stage not in the V", _lin4(schedule="ZBVZeroBubble", stages_per_worker=2,
+                                             workers=["worker1", "worker2", "worker1", "worker2"]),
+     ["ZBVZeroBubble puts stage j on worker j for j < 2 and on worker 3 - j after (a V)",
+      "['w0', 'w1', 'w1', 'w0']", "got ['worker1', 'worker2', 'worker1', 'worker2']"]),
     ("chunks not a multiple of the workers", _lin4(chunks=3, schedule="Interleaved1F1B", stages_per_worker=2),
      ["chunks must be a multiple of 2, got 3", "use chunks=4 or 2"]),
     ("chunks below the workers", _lin4(chunks=1, schedule="Interleaved1F1B", stages_per_worker=2),
@@ -426,6 +477,27 @@ def test_a_layer_raising_under_other_schedules_and_checkpointing(cluster, schedu
         check_good_step(pipe, model)
 
 
+@pytest.mark.parametrize("schedule, checkpoint", [("ZBVZeroBubble", "never"), ("InterleavedZeroBubble", "always"),
+                                                  ("DualPipeV", "except_last")])
+def test_a_layer_raising_in_either_half_of_a_split_backward(cluster, schedule, checkpoint):
+    """Under the zero-bubble schedules (4 stages, 2 per worker; stage 1 on the second worker in the loop and
+    in the V), a layer raising in the inputs' gradient (I) and one raising in the weight's (W) are each
+    named with the half they failed in; the next step is exact."""
+    model = failing_model(nn.Sequential(FailsOn(), FailsInWeight()))
+    kinds = {a.kind for order in worker_orders(schedule, 4, 4, 2) for a in order if (a.i, a.j) == (3, 1)}
+    split = "I" in kinds  # DualPipeV runs some backwards whole
+    with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 2, 1, 1], workers=cluster.names[:2],
+              schedule=schedule, stages_per_worker=2) as pipe:
+        x, y = batch()
+        for value, phase in [(BACKWARD_FAIL, "backward (input gradient)"), (WEIGHT_FAIL, "backward (weight gradient)")]:
+            with pytest.raises(StageError) as info:
+                step(pipe, marked(x, value, 3), y)
+            exc = info.value
+            assert (exc.stage, exc.worker, exc.microbatch, exc.phase) == (
+                1, cluster.names[1], 3, phase if split else "backward"), kinds
+            check_good_step(pipe, model)
+
+
 # -- the autograd context --------------------------------------------------------------------------
 def test_train_step_outside_its_context(failing):
     pipe, model = failing
@@ -535,7 +607,7 @@ from pathlib import Path
 import torch.distributed.autograd as dist_autograd, torch.nn.functional as F
 from rrefpipe import Pipe, StageError
 from workers import LocalWorkers
-from tests.distributed.test_train_step_faults import HOLD, HoldsOn, batch, failing_model, marked
+from tests.distributed.test_train_step_faults import HOLD, HoldsInWeight, HoldsOn, batch, failing_model, marked
 
 folder, phase = {folder!r}, {phase!r}
 killed = {{}}
@@ -551,9 +623,12 @@ def killer():  # kills the worker that says it is held, as soon as it says so
             return
         time.sleep(0.002)
 
-with LocalWorkers(3, threads=1) as group:
-    pipe = Pipe(failing_model(HoldsOn(folder, phase)), chunks=4, checkpoint="never", balance=[1, 2, 2],
-                workers=group.names, schedule="1F1B", rpc_timeout=60)
+split = phase == "weight"  # between the two halves of a split backward: ZBV, 4 stages on 2 workers
+with LocalWorkers(2 if split else 3, threads=1) as group:
+    middle = HoldsInWeight(folder) if split else HoldsOn(folder, phase)
+    pipe = Pipe(failing_model(middle), chunks=4, checkpoint="never", balance=[1, 2, 1, 1] if split else [1, 2, 2],
+                workers=group.names, schedule="ZBVZeroBubble" if split else "1F1B", stages_per_worker=1 + split,
+                rpc_timeout=60)
     x, y = batch()
     with dist_autograd.context() as ctx:  # a good step first: the fault comes in a warm pipe
         pipe.train_step(ctx, x, y, F.mse_loss)
@@ -579,11 +654,12 @@ print(f"left={{time.monotonic() - t}}")
 """
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "weight"])
 def test_a_worker_killed_during_a_1f1b_step_is_named_at_once(tmp_path, phase):
     """The stage-1 worker is SIGKILLed while it holds micro-batch 2 in its forward (after B0) or its
-    backward (after F3): a WorkerError names it within seconds, and the pipe and group close promptly.
-    Its own group in a fresh interpreter: the session group must keep its workers."""
+    backward (after F3), or (``weight``, under ZBVZeroBubble) in the weight half of its backward, after it
+    sent the input's gradient back: a WorkerError names it within seconds, and the pipe and group close
+    promptly. Its own group in a fresh interpreter: the session group must keep its workers."""
     proc = run_script(KILL_SCRIPT.format(folder=str(tmp_path), phase=phase), timeout=100)
     values = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     print(proc.stderr[-4000:])

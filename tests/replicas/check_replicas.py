@@ -249,17 +249,18 @@ def no_sync(stage_workers: workers.StageWorkers) -> None:
 
 def train(stage_workers: workers.StageWorkers) -> None:
     r, n = stage_workers.replica, stage_workers.replicas
-    rows = [4] * n
     for schedule, checkpoint, optimizer in [("GPipe", "never", "sgd"), ("1F1B", "always", "sgd"),
                                             ("1F1B", "never", "adam"), ("GPipe", "always", "adam"),
-                                            ("Interleaved1F1B", "never", "sgd")]:
+                                            ("Interleaved1F1B", "never", "sgd"), ("ZBVZeroBubble", "always", "sgd"),
+                                            ("InterleavedZeroBubble", "never", "adam"), ("DualPipeV", "never", "sgd")]:
         model = mlp()
         plain = copy.deepcopy(model)
         cls, kwargs = OPTIMIZERS[optimizer]
         plain_opt = cls(plain.parameters(), **kwargs)
-        steps = batches(3, rows) + batches(1, [4] * (n - 1) + [2], seed=2)  # the last replica's last share: 2 rows
-        interleaved = schedule == "Interleaved1F1B"  # 4 stages on the 2 workers, averaged once per worker
-        with Pipe(model, chunks=2, checkpoint=checkpoint, balance=[2, 1, 1, 1] if interleaved else [3, 2],
+        k = 2 if schedule == "DualPipeV" else 1  # DualPipeV needs as many micro-batches as stages: twice the rows
+        steps = batches(3, [4 * k] * n) + batches(1, [4 * k] * (n - 1) + [2 * k], seed=2)  # the last share: fewer
+        interleaved = schedule not in ("GPipe", "1F1B")  # 4 stages on the 2 workers, averaged once per worker
+        with Pipe(model, chunks=2 * k, checkpoint=checkpoint, balance=[2, 1, 1, 1] if interleaved else [3, 2],
                   workers=stage_workers, schedule=schedule, stages_per_worker=2 if interleaved else 1) as pipe:
             opt = DistributedOptimizer(cls, pipe.parameter_rrefs(), **kwargs)
             for shares in steps:
