@@ -249,6 +249,7 @@ def no_sync(stage_workers: workers.StageWorkers) -> None:
 
 def train(stage_workers: workers.StageWorkers) -> None:
     r, n = stage_workers.replica, stage_workers.replicas
+    rows = [4] * n
     for schedule, checkpoint, optimizer in [("GPipe", "never", "sgd"), ("1F1B", "always", "sgd"),
                                             ("1F1B", "never", "adam"), ("GPipe", "always", "adam"),
                                             ("Interleaved1F1B", "never", "sgd"), ("ZBVZeroBubble", "always", "sgd"),
