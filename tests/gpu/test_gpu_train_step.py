@@ -23,8 +23,11 @@ from tests.gpu.scenarios import GPU, TOLERANCE
 
 pytestmark = runner.MARKS
 
-#: schedule -> (stages, stages per worker): 1F1B on 2 workers, Interleaved1F1B on 4 stages, 2 per worker
-LAYOUT = {"1F1B": (2, 1), "Interleaved1F1B": (4, 2)}
+#: schedule -> (stages, stages per worker): 1F1B on 2 workers, the others on 4 stages, 2 per worker (the
+#: zero-bubble ones split each backward in two on the stage's stream; ZBV and DualPipeV in a V)
+LAYOUT = {"1F1B": (2, 1), "Interleaved1F1B": (4, 2), "ZBVZeroBubble": (4, 2), "InterleavedZeroBubble": (4, 2),
+          "DualPipeV": (4, 2)}
+SCHEDULES = list(LAYOUT)
 MLP_BALANCE = {2: [3, 4], 4: [2, 2, 2, 1]}  # mlp([5, 8, 8, 6, 3]): 7 layers
 SKIP_BALANCE = {2: [3, 4], 4: [2, 2, 2, 1]}  # skip_model(): 7 layers; both skips cross workers either way
 # Parameters after a few momentum steps: the rounding differences of the micro-batch kernels add up.
@@ -36,12 +39,12 @@ def scenario(call: str) -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpu_stages_train_as_the_plain_model(schedule, checkpoint):
     scenario(f"trains_as_the_plain_model({schedule!r}, {checkpoint!r})")
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_skips_between_gpu_stages(schedule):
     scenario(f"skips_between_gpu_stages({schedule!r})")
 
