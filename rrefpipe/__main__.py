@@ -1,4 +1,5 @@
-"""``python -m rrefpipe``: the command line: run the demo, the tutorial, or draw a pipeline timeline."""
+"""``python -m rrefpipe``: the command line: run the demo, the tutorial, draw a pipeline timeline, or print a
+schedule's orders."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .schedule import SCHEDULES, check_schedule, parse_schedule
+from .schedule import (SCHEDULES, check_schedule, format_orders, is_v_shaped, parse_schedule, peak_in_flight,
+                       simulate, stage_layout, worker_orders, worker_peaks)
 
 __all__ = ["main"]
 
@@ -131,6 +133,68 @@ def _timeline(args: argparse.Namespace) -> None:
     print(f"wrote {json_path} (open in https://ui.perfetto.dev or chrome://tracing) and {png_path}")
 
 
+def _schedule_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schedule", help="print a schedule's orders: which action each worker runs at each tick, "
+                       "the bubble and the micro-batches each stage keeps (no processes)",
+                       description="Print the order in which each worker runs its actions under a schedule "
+                       "(rrefpipe.schedule.worker_orders),\none column per tick at unit costs: F3 is the forward "
+                       "of micro-batch 3, B3 its backward, I3 and W3\nthe two halves of a split backward (inputs' "
+                       "gradient, weights' gradient), 5F3 the forward on stage 5\nwhere a worker holds several "
+                       "stages, '.' an idle tick. Then the bubble (the workers' idle share)\nand the most "
+                       "micro-batches in flight on each stage and worker. Starts no processes.",
+                       epilog="examples:\n"
+                       "  python -m rrefpipe schedule --schedule 1F1B --stages 4 --chunks 8\n"
+                       "  python -m rrefpipe schedule --schedule InterleavedZeroBubble --stages 4 --chunks 8\n"
+                       "  python -m rrefpipe schedule --schedule ZBVZeroBubble --stages 4 --stages-per-worker 2 "
+                       "--chunks 8\n"
+                       "  python -m rrefpipe schedule --schedule DualPipeV --stages 4 --stages-per-worker 2 --chunks 8 "
+                       "--costs F=1,I=1,W=1,B=2",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--schedule", type=_schedule, default="1F1B", metavar="{" + ",".join(SCHEDULES) + "}",
+                   help="the schedule, in any case (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch (default: %(default)s)")
+    p.add_argument("--stages-per-worker", type=int, default=1,
+                   help="stages on each worker: any divisor of STAGES for Interleaved1F1B and InterleavedZeroBubble "
+                   "(stage j on worker j mod (STAGES / STAGES_PER_WORKER)), 2 for ZBVZeroBubble and DualPipeV "
+                   "(in a V) (default: %(default)s)")
+    p.add_argument("--costs", type=_costs, default={}, metavar="KIND=TICKS,...",
+                   help="durations of F, B, I, W for the bubble line, e.g. F=1,I=1,W=1,B=2 to weigh a fused "
+                   "backward as its two halves; the table is drawn at unit costs (default: 1 each)")
+
+
+def _costs(text: str) -> dict[str, float]:
+    costs = {}
+    for item in filter(None, text.split(",")):
+        kind, _, value = item.partition("=")
+        try:
+            costs[kind.strip().upper()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"costs are KIND=TICKS pairs such as F=1,B=2, got {item!r}") from None
+        if kind.strip().upper() not in ("F", "B", "I", "W") or costs[kind.strip().upper()] <= 0:
+            raise argparse.ArgumentTypeError(f"costs are positive durations of F, B, I or W, got {item!r}")
+    return costs
+
+
+def _print_schedule(args: argparse.Namespace) -> None:
+    """The ``schedule`` command: the orders' table, the bubble and the in-flight peaks."""
+    name, n, m, v = args.schedule, args.stages, args.chunks, args.stages_per_worker
+    check_schedule(name, n, m, v)
+    orders = worker_orders(name, n, m, v)
+    layout = stage_layout(name, n, v)
+    how = (" in a V" if is_v_shaped(name) else "") if v > 1 else ""
+    placed = "; ".join(f"worker {w}: stages {', '.join(str(j) for j in range(n) if layout[j] == w)}"
+                       for w in range(len(orders))) if v > 1 else ""
+    print(f"{name}: {n} stages on {len(orders)} workers{how}, {m} micro-batches" + (f" ({placed})" if placed else ""))
+    print(format_orders(orders))
+    for costs in ([{}] + ([args.costs] if args.costs else [])):
+        sim = simulate(orders, costs)
+        given = ", ".join(f"{k}={c:g}" for k, c in {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **costs}.items())
+        print(f"at {'costs ' + given if costs else 'unit costs'}: {sim.makespan:g} ticks, bubble {sim.bubble:.1%}")
+    print(f"micro-batches in flight at most, per stage: {peak_in_flight(orders, n)}"
+          + (f"; per worker (all its stages): {worker_peaks(orders, n)}" if v > 1 else ""))
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per task, each listed once in ``--help``."""
     p = argparse.ArgumentParser(prog="python -m rrefpipe", formatter_class=HelpFormatter,
@@ -144,6 +208,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the GPipe tutorial: a ResNet-style classifier on scikit-learn's digits, trained plainly and "
                    "through the pipeline (examples/tutorial.py; needs pip install -e '.[tutorial]')")
     _timeline_parser(sub)
+    _schedule_parser(sub)
     return p
 
 
@@ -154,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         _run_example(args.command, rest)
     elif rest:
         parser_.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif args.command == "schedule":
+        try:
+            _print_schedule(args)
+        except ValueError as exc:
+            parser_.exit(2, f"python -m rrefpipe schedule: {exc}\n")
     else:
         try:
             _check_timeline(args)

@@ -1,7 +1,9 @@
 """``python -m rrefpipe timeline --schedule``: the steps drawn are ``pipe.train_step`` calls, and each worker's
-spans come in its schedule's order (``rrefpipe.schedule.worker_orders``)."""
+spans come in its schedule's order (``rrefpipe.schedule.worker_orders``). ``python -m rrefpipe schedule``: that
+order printed as a table, with its bubble and in-flight peaks, without processes."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rrefpipe.__main__ import parser
-from rrefpipe.schedule import Action, worker_orders
+from rrefpipe.__main__ import main, parser
+from rrefpipe.schedule import Action, format_orders, peak_in_flight, simulate, worker_orders, worker_peaks
 from tests.conftest import ROOT
 
 
@@ -41,8 +43,10 @@ def test_schedule_is_read_in_any_case_and_defaults_to_the_pipe_x_path():
 
 @pytest.mark.parametrize("flags, message", [
     (["--schedule", "Interleaved1F1B", "--stages", "3", "--chunks", "4"], "chunks must be a multiple of 3"),
-    (["--schedule", "1F1B", "--stages", "4", "--stages-per-worker", "2"], "schedule='Interleaved1F1B' or 'InterleavedZeroBubble'"),
-    (["--stages-per-worker", "2", "--stages", "4"], "--stages-per-worker 2 needs --schedule Interleaved1F1B"),
+    (["--schedule", "1F1B", "--stages", "4", "--stages-per-worker", "2"],
+     "schedule='Interleaved1F1B' or 'InterleavedZeroBubble'"),
+    (["--stages-per-worker", "2", "--stages", "4"],
+     "--stages-per-worker 2 needs --schedule Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV"),
     (["--schedule", "PipeDream"], "schedule must be one of GPipe, 1F1B, Interleaved1F1B"),
 ])
 def test_a_layout_the_schedule_cannot_run_is_refused_before_any_worker_starts(flags, message):
@@ -77,3 +81,74 @@ def test_interleaved_timeline_runs_two_stages_on_each_worker_in_its_order(tmp_pa
     assert workers == {0: "worker1", 1: "worker2", 2: "worker1", 3: "worker2"}
     orders = worker_orders("Interleaved1F1B", 4, 4, 2)
     assert _orders_seen(spans) == {"worker1": orders[0], "worker2": orders[1]}
+
+
+# python -m rrefpipe schedule: the orders as a table, in process (it starts no workers)
+
+def _schedule(capsys, *flags: str) -> str:
+    main(["schedule", *flags])
+    return capsys.readouterr().out
+
+
+def test_schedule_command_prints_the_zbv_table_with_split_backwards(capsys):
+    out = _schedule(capsys, "--schedule", "zbvzerobubble", "--stages", "4", "--stages-per-worker", "2", "--chunks", "8",
+                    "--costs", "F=1,I=1,W=1,B=2")
+    orders = worker_orders("ZBVZeroBubble", 4, 8, 2)
+    lines = out.splitlines()
+    assert lines[0] == ("ZBVZeroBubble: 4 stages on 2 workers in a V, 8 micro-batches (worker 0: stages 0, 3; "
+                        "worker 1: stages 1, 2)")
+    assert "\n".join(lines[1:4]) == format_orders(orders)
+    assert {"3I0", "3W0", "0I7", "0W7"} <= set(lines[2].split()) and "2I0" in lines[3].split()
+    sim = simulate(orders)
+    assert lines[4] == f"at unit costs: {sim.makespan:g} ticks, bubble {sim.bubble:.1%}" == \
+        "at unit costs: 49 ticks, bubble 2.0%"  # p - 1 = 1 idle tick per worker of 49
+    assert lines[5].startswith("at costs F=1, B=2, I=1, W=1: 49 ticks")
+    assert lines[6] == (f"micro-batches in flight at most, per stage: {peak_in_flight(orders, 4)}; per worker (all its "
+                        f"stages): {worker_peaks(orders, 4)}")
+    assert worker_peaks(orders, 4) == [4, 4]
+
+
+@pytest.mark.parametrize("name, stages, v", [("GPipe", 3, 1), ("1F1B", 4, 1), ("Interleaved1F1B", 4, 2),
+                                             ("InterleavedZeroBubble", 4, 1), ("InterleavedZeroBubble", 6, 3),
+                                             ("DualPipeV", 6, 2)])
+def test_schedule_command_prints_each_schedules_orders(capsys, name, stages, v):
+    out = _schedule(capsys, "--schedule", name, "--stages", str(stages), "--stages-per-worker", str(v))
+    assert format_orders(worker_orders(name, stages, 8, v)) in out
+    assert out.startswith(f"{name}: {stages} stages on {stages // v} workers")
+
+
+def test_schedule_command_compares_a_fused_backward_weighed_as_its_halves(capsys):
+    out = _schedule(capsys, "--schedule", "1F1B", "--stages", "4", "--chunks", "8", "--costs", "B=2")
+    assert "at unit costs: 22 ticks, bubble 27.3%" in out  # 2 (m + n - 1); (n - 1) / (m + n - 1)
+    assert "at costs F=1, B=2, I=1, W=1: 33 ticks, bubble 27.3%" in out  # 3 (m + n - 1)
+    zb = _schedule(capsys, "--schedule", "InterleavedZeroBubble", "--stages", "4", "--chunks", "8")
+    assert "at unit costs: 30 ticks, bubble 20.0%" in zb  # 3m + 2 (p - 1): ZB-H1 on 1F1B's memory
+    assert "per stage: [4, 3, 2, 1]" in zb
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--schedule", "ZBVZeroBubble", "--stages", "4"], "use stages_per_worker=2, got 1"),
+    (["--schedule", "DualPipeV", "--stages", "8", "--stages-per-worker", "2", "--chunks", "6"],
+     "too few micro-batches for DualPipeV: chunks >= 8"),
+    (["--schedule", "ZBVZeroBubble", "--stages", "3", "--stages-per-worker", "2"], "use stages=4 or 2"),
+])
+def test_schedule_command_says_what_to_change(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["schedule", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("python -m rrefpipe schedule: ") and message in err
+
+
+@pytest.mark.parametrize("costs", ["X=2", "F=0", "F"])
+def test_schedule_command_refuses_costs_it_cannot_use(capsys, costs):
+    with pytest.raises(SystemExit):
+        main(["schedule", "--costs", costs])
+    assert "costs are" in capsys.readouterr().err
+
+
+def test_schedule_command_help_explains_every_flag_with_its_default():
+    schedule = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["schedule"]
+    options = [a for a in schedule._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in options] == ["schedule", "stages", "chunks", "stages_per_worker", "costs"]
+    assert all(a.help and "default" in a.help for a in options)
+    assert "ZBVZeroBubble --stages 4 --stages-per-worker 2 --chunks 8" in schedule.epilog
