@@ -67,15 +67,17 @@ def ideal_efficiency(m: int, n: int) -> float:
 
 
 class Action(NamedTuple):
-    """One unit of a worker's work: the forward (``kind == "F"``) or backward (``"B"``) of
-    micro-batch ``i`` on stage ``j``. A tuple, so that it hashes, sorts and prints plainly."""
+    """One unit of a worker's work on micro-batch ``i`` and stage ``j``: its forward (``kind == "F"``),
+    its backward (``"B"``), or, where a schedule splits the backward (``is_split``), the gradient of
+    the stage's inputs (``"I"``, the paper's B, torch.distributed.pipelining's I) and then that of its
+    weights (``"W"``). A tuple, so that it hashes, sorts and prints plainly."""
 
     kind: str
     i: int
     j: int
 
     def label(self, with_stage: bool = False) -> str:
-        """``"F3"``; ``"5F3"`` (stage 5) where a worker holds several stages, as
+        """``"F3"``, ``"I3"``, ``"W3"``; ``"5F3"`` (stage 5) where a worker holds several stages, as
         torch.distributed.pipelining prints its actions."""
         return f"{self.j if with_stage else ''}{self.kind}{self.i}"
 
@@ -466,14 +468,17 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
     one order per worker; every ``F`` of every (i, j) exactly once, on stage j's worker (by
     ``schedule``'s layout: ``stage_layout``; without a schedule the loop layout); every (i, j) ended
     either by one fused ``B`` or by one ``I`` and one ``W``, never both ways; on that worker F(i, j)
-    before B(i, j) or I(i, j), and I(i, j) before W(i, j); the in-flight bound the schedule promises
-    (1F1B: n - j micro-batches on stage j; InterleavedZeroBubble and ZBVZeroBubble: see
-    ``in_flight_bounds``)."""
+    before B(i, j) or I(i, j), and I(i, j) before W(i, j); once those hold, the in-flight bounds the
+    schedule promises (``peak_in_flight``, ``worker_peaks``): 1F1B n - j micro-batches on stage j,
+    InterleavedZeroBubble and ZBVZeroBubble their stages' bounds (``worker_orders``), the V-shaped
+    schedules 2p = n stage-micro-batches per worker."""
     n, m, v = stages, chunks, stages_per_worker
     problems: list[str] = []
     name = parse_schedule(schedule) if schedule is not None else None
-    layout = stage_layout(name or "GPipe", n, v) if name in V_SCHEDULES else None
-    if layout is None:
+    layout = None
+    if name is not None and name in V_SCHEDULES:
+        layout = stage_layout(name, n, v)
+    else:
         _check_layout(n, v)
     workers = n // v
     if len(orders) != workers:
@@ -513,15 +518,15 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
 
 
 def _bound_problems(orders: Sequence[Sequence[Action]], name: str, n: int, m: int, v: int) -> list[str]:
-    """The stages (and, for ZBVZeroBubble, the workers) holding more micro-batches in flight than
-    ``name`` promises (``_in_flight_caps``); none for a schedule that promises no bound."""
-    if name not in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
-        return []
-    caps = _in_flight_caps(name, n, m, v)
-    problems = [f"stage {j}: {peak} micro-batches in flight, {name} allows {caps[j]}"
-                for j, peak in enumerate(peak_in_flight(orders, n)) if peak > caps[j]]
-    if name == "ZBVZeroBubble":
-        problems += [f"worker {w}: {peak} stage-micro-batches in flight, ZBVZeroBubble allows {n}"
+    """The stages (``_in_flight_caps``) and, for the V-shaped schedules, the workers (2p = n) holding
+    more micro-batches in flight than ``name`` promises; none for a schedule that promises no bound."""
+    problems = []
+    if name in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        caps = _in_flight_caps(name, n, m, v)
+        problems += [f"stage {j}: {peak} micro-batches in flight, {name} allows {caps[j]}"
+                     for j, peak in enumerate(peak_in_flight(orders, n)) if peak > caps[j]]
+    if name in V_SCHEDULES:
+        problems += [f"worker {w}: {peak} stage-micro-batches in flight, {name} allows {n}"
                      for w, peak in enumerate(worker_peaks(orders, n)) if peak > n]
     return problems
 
@@ -579,8 +584,9 @@ def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | No
 
 def format_orders(orders: Sequence[Sequence[Action]]) -> str:
     """A printable table of ``orders`` at unit costs: one row per worker, one column per tick of
-    ``simulate``, "." where the worker waits. Actions read "F3" (forward of micro-batch 3), or
-    "5F3" (stage 5) where a worker holds several stages."""
+    ``simulate``, "." where the worker waits. Actions read "F3" (forward of micro-batch 3), "B3"
+    (its backward), "I3" and "W3" (the halves of a split backward), or "5F3" (stage 5) where a
+    worker holds several stages."""
     sim = simulate(orders)
     with_stage = any(len({a.j for a in order}) > 1 for order in orders)
     ticks = int(sim.makespan)

@@ -436,6 +436,11 @@ def test_check_orders_holds_zero_bubble_schedules_to_their_bounds():
     with pytest.raises(ValueError, match=r"stage 0: 6 micro-batches in flight, ZBVZeroBubble allows 3(.|\n)*"
                                          r"worker 0: 12 stage-micro-batches in flight, ZBVZeroBubble allows 4"):
         check_orders([w0, zbv[1]], 4, 6, "ZBVZeroBubble", 2)
+    dual = worker_orders("DualPipeV", 4, 6, 2)
+    w0 = [a for a in dual[0] if a.kind == "F"] + [a for a in dual[0] if a.kind != "F"]
+    with pytest.raises(ValueError, match="the orders break 1 .*\n  worker 0: 12 stage-micro-batches in flight, "
+                                         "DualPipeV allows 4$"):
+        check_orders([w0, dual[1]], 4, 6, "DualPipeV", 2)
 
 
 def test_simulate_waits_for_the_next_stages_input_gradient_and_w_for_its_i():
