@@ -378,6 +378,33 @@ def test_dual_pipe_v_bubble_and_peak(p):
                                                                       FUSED_AS_SPLIT).bubble / 3
 
 
+def test_dual_pipe_v_is_torch_pipelinings_with_each_pair_backward_first():
+    """torch.distributed.pipelining's ScheduleDualPipeV (torch 2.13) pairs a forward with the other stage's
+    full backward (OVERLAP_F_B, forward listed first), and runs the last worker's first such pair unpaired,
+    forward first. Run one action at a time, worker_orders puts the backward first in all of them (a
+    micro-batch freed before the next is taken: 2p per worker, not 2p + 1); otherwise the same orders."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = schedules.ScheduleDualPipeV
+    if not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip("this torch computes its DualPipeV order elsewhere")
+    for p in range(1, 5):
+        for m in range(2 * p, 2 * p + 5):
+            theirs = cls.__new__(cls)
+            theirs.pp_group_size, theirs._n_microbatches = p, m
+            expected = []
+            for r in range(p):
+                order = []
+                for a in theirs._calculate_single_rank_operations(r):
+                    subs = [Action(x.computation_type.value, x.microbatch_index, x.stage_index)
+                            for x in (a.sub_actions or (a,))] if a is not None else []
+                    order += subs[::-1]  # a pair: backward first
+                if r == p - 1:  # the unpaired forward, backward of the first steady round
+                    k = next(k for k, a in enumerate(order) if a.kind == "B")
+                    order[k - 1:k + 1] = order[k - 1:k + 1][::-1]
+                expected.append(order)
+            assert worker_orders("DualPipeV", 2 * p, m, 2) == expected, (p, m)
+
+
 def test_zero_bubble_tables_show_i_and_w():
     table = format_orders(worker_orders("ZBVZeroBubble", 4, 4, 2)).splitlines()
     assert table[0].startswith("tick      0 ") and len(table) == 3
