@@ -315,6 +315,17 @@ def test_zero_bubble_orders_keep_the_invariants_and_never_deadlock():
             assert not any(kind == "B" for kind, _ in kinds)
 
 
+def test_each_stage_runs_its_forwards_backwards_and_weight_gradients_in_micro_batch_order():
+    """What a runtime may rely on: on each stage, the Fs, the backwards (B or I) and the Ws each go
+    micro-batch 0, 1, 2, ... (a W may come long after its I, but never before an older W)."""
+    for name, n, m, v in zero_bubble_cases():
+        for order in worker_orders(name, n, m, v):
+            for j in {a.j for a in order}:
+                for kinds in ("F", "BI", "W"):
+                    seen = [a.i for a in order if a.j == j and a.kind in kinds]
+                    assert seen == sorted(seen), (name, n, m, v, j, kinds)
+
+
 def test_zb_h1_bubble_is_two_thirds_of_1f1bs_on_1f1bs_memory():
     """InterleavedZeroBubble with one stage per worker: 2 (p - 1) idle ticks per worker against 1F1B's
     3 (p - 1) when its B weighs I + W, each stage holding no more than 1F1B's n - j."""
