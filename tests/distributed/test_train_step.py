@@ -203,7 +203,7 @@ def test_deferred_batch_norm_keeps_the_whole_batchs_running_statistics(cluster, 
 
 
 # -- what comes after train_step ------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_clip_grad_norm_after_train_step_equals_torchs(cluster, schedule):
     model = mlp([5, 8, 8, 6, 3], seed=12)
     plain = twin(model)
@@ -226,7 +226,8 @@ def test_clip_grad_norm_after_train_step_equals_torchs(cluster, schedule):
         assert_same_state(pipe.state_dict(), plain)
 
 
-def test_grad_scaler_scales_the_step_and_skips_overflows_as_torchs(cluster):
+@pytest.mark.parametrize("schedule, balance", [("1F1B", [1, 5]), ("ZBVZeroBubble", [1, 2, 2, 1])])
+def test_grad_scaler_scales_the_step_and_skips_overflows_as_torchs(cluster, schedule, balance):
     """``scaler=``: the context holds the gradients of the scaled loss (the returned loss is not scaled);
     ``scaler.step`` unscales them, and skips the step where they overflow, with the scale following
     ``torch.amp.GradScaler`` on the plain model."""
@@ -236,7 +237,8 @@ def test_grad_scaler_scales_the_step_and_skips_overflows_as_torchs(cluster):
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     plain_scaler = torch.amp.GradScaler("cpu", **args)
     batches = batches_with_overflows(4, bad=[1])
-    with Pipe(model, chunks=2, schedule="1F1B", balance=[1, 5], workers=cluster.names[:2]) as pipe:
+    with Pipe(model, chunks=2, schedule=schedule, balance=balance, workers=cluster.names[:2],
+              stages_per_worker=len(balance) // 2) as pipe:
         opt = DistributedOptimizer(rrefpipe.optim.SGD, pipe.parameter_rrefs(), lr=0.05, momentum=0.9)
         scaler = GradScaler(pipe, **args)
         scales, plain_scales = [], []
@@ -284,11 +286,12 @@ def test_a_learning_rate_schedule(cluster):
         assert_same_state(pipe.state_dict(), plain)
 
 
-def test_two_train_steps_in_one_context_add_up_their_gradients(cluster):
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_two_train_steps_in_one_context_add_up_their_gradients(cluster, schedule):
     model = mlp([5, 8, 8, 6, 3], seed=16)
     plain = twin(model)
     (x1, y1), (x2, y2) = classification(2, 8, seed=17)
-    with Pipe(model, chunks=4, schedule="1F1B", balance=MLP_BALANCE[2], workers=cluster.names[:2]) as pipe:
+    with pipe_for(cluster, model, schedule, MLP_BALANCE, chunks=4) as pipe:
         opt = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=0.1)
         with dist_autograd.context() as ctx:
             first = pipe.train_step(ctx, x1, y1, F.cross_entropy)
@@ -304,6 +307,29 @@ def test_two_train_steps_in_one_context_add_up_their_gradients(cluster):
     assert_same_gradients(grads, plain, "two steps")
     torch.optim.SGD(plain.parameters(), lr=0.1).step()
     assert_same_state(state, plain)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_train_step_under_autocast_equals_the_plain_model_micro_batch_by_micro_batch(cluster, schedule):
+    """``torch.autocast`` around ``train_step`` reaches the stages and ``loss_fn``: the loss and the
+    gradients are the plain model's run under the same autocast one micro-batch at a time (bfloat16
+    rounds differently with the batch size), its micro-batch losses weighted by their rows."""
+    model = mlp([5, 8, 8, 6, 3], seed=22)
+    plain = twin(model)
+    x, y = classification(1, 8, seed=23)[0]
+    losses = []
+    for part, target in zip(x.chunk(4), y.chunk(4)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(F.cross_entropy(plain(part), target) * len(part) / len(x))
+    expected = torch.stack(losses).sum()
+    expected.backward()
+    with pipe_for(cluster, model, schedule, MLP_BALANCE, chunks=4) as pipe:
+        with dist_autograd.context() as ctx:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = pipe.train_step(ctx, x, y, F.cross_entropy)
+            grads = stage_gradients(pipe, ctx)
+    torch.testing.assert_close(loss, expected.detach().to(loss.dtype))
+    assert_same_gradients(grads, plain, schedule)
 
 
 # -- the order the stages ran ---------------------------------------------------------------------------

@@ -489,6 +489,8 @@ def test_a_layer_raising_in_either_half_of_a_split_backward(cluster, schedule, c
     with Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 2, 1, 1], workers=cluster.names[:2],
               schedule=schedule, stages_per_worker=2) as pipe:
         x, y = batch()
+        check_good_step(pipe, model)  # warm: first-use allocations are not leaks
+        before = all_counts(cluster.names[:2])
         for value, phase in [(BACKWARD_FAIL, "backward (input gradient)"), (WEIGHT_FAIL, "backward (weight gradient)")]:
             with pytest.raises(StageError) as info:
                 step(pipe, marked(x, value, 3), y)
@@ -496,6 +498,12 @@ def test_a_layer_raising_in_either_half_of_a_split_backward(cluster, schedule, c
             assert (exc.stage, exc.worker, exc.microbatch, exc.phase) == (
                 1, cluster.names[1], 3, phase if split else "backward"), kinds
             check_good_step(pipe, model)
+        after = all_counts(cluster.names[:2])  # nothing left of the failed steps: contexts, threads, messages
+        for process in before:
+            assert after[process]["contexts"] == 0, (process, before[process], after[process])
+            assert after[process]["threads"] <= before[process]["threads"] + 2, (process, before[process], after[process])
+        for worker in cluster.names[:2]:
+            assert rpc.rpc_sync(worker, left_in_mailbox, args=(pipe._driver.pipe_id,)) == 0, worker
 
 
 # -- the autograd context --------------------------------------------------------------------------
