@@ -21,11 +21,14 @@ SCRIPT = "tests/replicas/check_replicas.py"
 JOB_MARK = f"RREFPIPE_REPLICAS_TEST_JOB={os.getpid()}"
 
 
-def torchrun(*args: str, timeout: float, nproc: int = 6) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``torchrun --standalone`` of ``args`` on this host; the finished process and its wall time."""
+def torchrun(*args: str, timeout: float, nproc: int = 6, monitor: float | None = None
+             ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``torchrun --standalone`` of ``args`` on this host; the finished process and its wall time.
+    ``monitor``: seconds between torchrun's looks at its processes (once one has died, it stops the rest)."""
     start = time.monotonic()
     name, value = JOB_MARK.split("=")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    watch = [] if monitor is None else ["--monitor-interval", str(monitor)]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *watch, "--nproc-per-node",
                            str(nproc), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{name: value}))
     return proc, time.monotonic() - start
@@ -111,8 +114,10 @@ def test_a_replica_with_one_more_step_fails_it_instead_of_waiting():
 def test_a_dead_stage_worker_fails_every_replica_naming_it():
     """Replica 0's last stage worker is SIGKILLed in a step: its driver names it (WorkerError); the
     other replica's averaging fails naming it among the processes gone (torchrun then stops the job);
-    the whole job is gone within seconds."""
-    proc, wall = torchrun(SCRIPT, "--mode", "kill-worker", timeout=110)
+    the whole job is gone within seconds. torchrun looks at its processes every 3 s here: it stops the job
+    once it sees the dead one, and at its default (0.1 s) a driver on a busy machine was stopped before it
+    could print what it found."""
+    proc, wall = torchrun(SCRIPT, "--mode", "kill-worker", timeout=110, monitor=3)
     assert proc.returncode != 0  # torchrun reports the killed process
     first = lines(proc, "FAILED replica 0")
     assert first and "stage 1 on worker 'worker2'" in first[0] and "WorkerError" in first[0], \
