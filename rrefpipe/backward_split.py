@@ -35,13 +35,22 @@ __all__ = ["WeightGradients", "input_gradients"]
 
 # The engine call behind torch.autograd.grad and backward, without their Python check of the given
 # gradients, which imports sympy once per process (0.3 s of a worker's first step, issue 48); the
-# engine validates each gradient against its root as well.
-from torch.autograd.graph import _engine_run_backward  # noqa: E402
+# engine validates each gradient against its root as well. A private name: where a torch lacks it,
+# the public calls below do the same, sympy's import included.
+try:
+    from torch.autograd.graph import _engine_run_backward as _engine
+except ImportError:  # tested by replacing it with None
+    _engine = None  # type: ignore[assignment]
 
 
 def _run(outputs: Sequence[Tensor | GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Tensor | GradientEdge],
          *, keep_graph: bool, accumulate: bool) -> tuple[Tensor | None, ...]:
-    return _engine_run_backward(tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+    if _engine is not None:
+        return _engine(tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+    if accumulate:
+        torch.autograd.backward(list(outputs), list(grads), retain_graph=keep_graph, inputs=list(inputs))
+        return ()
+    return torch.autograd.grad(list(outputs), list(inputs), list(grads), retain_graph=keep_graph, allow_unused=True)
 
 
 @dataclass

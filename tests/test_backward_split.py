@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from rrefpipe import memory
+from rrefpipe import backward_split, memory
 from rrefpipe.backward_split import input_gradients
 from rrefpipe.checkpoint import Recomputable
 
@@ -98,8 +98,17 @@ def reference(model: nn.Module, outs: list[Tensor], grads: list[Tensor], xs: lis
     return list(torch.autograd.grad(outs, [*xs, *model.parameters()], grads, retain_graph=True, allow_unused=True))
 
 
+@pytest.fixture(params=["private", "public"])
+def engine(request, monkeypatch):
+    """The engine call the split makes: torch's private one, or (where a torch lacks it) the public
+    ``torch.autograd.grad`` and ``backward``."""
+    if request.param == "public":
+        monkeypatch.setattr(backward_split, "_engine", None)
+    return request.param
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_the_two_halves_give_one_backwards_gradients(name):
+def test_the_two_halves_give_one_backwards_gradients(name, engine):
     torch.manual_seed(0)
     build, n_in, forward = MODELS[name]
     model = build()
@@ -121,7 +130,7 @@ def test_the_two_halves_give_one_backwards_gradients(name):
     assert all(x.grad is None for x in xs)  # nor does the second touch the inputs
 
 
-def test_the_second_half_adds_to_what_the_parameters_hold():
+def test_the_second_half_adds_to_what_the_parameters_hold(engine):
     """Micro-batches accumulate into ``.grad``, as one backward per micro-batch does."""
     torch.manual_seed(0)
     model = mlp()
@@ -149,7 +158,7 @@ def test_a_node_of_the_first_half_does_not_run_again():
     assert Counted.calls == 1
 
 
-def test_without_inputs_everything_is_the_second_half():
+def test_without_inputs_everything_is_the_second_half(engine):
     """The first stage: its input needs no gradient, so the first half has nothing to do."""
     torch.manual_seed(0)
     model = mlp()
