@@ -29,6 +29,8 @@ from suite_models import SPECS, ModelSpec, split
 from suite_pipelining import LR, timed_steps
 from suite_report import cpu_total_ms, sps
 
+from rrefpipe.schedule import is_split, simulate, stage_layout, worker_orders
+
 P = 2  # workers (rrefpipe stage workers; pipelining ranks)
 ZB_CHUNKS = (4, 8, 16)
 #: Layers per stage of the 4-stage splits, by layout. ``loop``: stage j on worker j mod 2 (Megatron's,
@@ -60,7 +62,7 @@ class Contestant(NamedTuple):
 
     @property
     def split_backward(self) -> bool:
-        return "ZeroBubble" in self.schedule or self.schedule == "DualPipeV"
+        return is_split(self.schedule)
 
 
 #: Every contestant, in the order of a round (reversed every other round and at every other chunk count).
@@ -96,10 +98,8 @@ def balance(spec: ModelSpec, layout: str) -> list[int]:
 
 
 def stage_workers(layout: str, stages: int) -> list[int]:
-    """The worker (rank) of each stage under ``layout``."""
-    if layout == "v":
-        return [j if j < P else 2 * P - 1 - j for j in range(stages)]
-    return [j % P for j in range(stages)]
+    """The worker (rank) of each stage under ``layout``: rrefpipe's V or loop layout (``stage_layout``)."""
+    return stage_layout("ZBVZeroBubble" if layout == "v" else "Interleaved1F1B", stages, stages // P)
 
 
 def pp_schedule_key(key: str) -> str:
@@ -263,11 +263,9 @@ def simulated(schedule: str, stages: int, chunks: int, stages_per_worker: int,
     differ, as stage 0, whose I is next to nothing, against the others, the model evens them out). An
     error (a schedule ``worker_orders`` lacks) is the row's ``error``."""
     try:
-        from rrefpipe import schedule as sch
-
-        orders = sch.worker_orders(schedule, stages, chunks, stages_per_worker)
+        orders = worker_orders(schedule, stages, chunks, stages_per_worker)
         per_kind = kind_means(costs)
-        sim = sch.simulate(orders, per_kind)
+        sim = simulate(orders, per_kind)
     except Exception as exc:  # reported, not fatal: the measurements stand without it
         return {"error": repr(exc)[-500:]}
     work = sum(costs[a.j][a.kind] for order in orders for a in order)

@@ -160,9 +160,7 @@ def _sides(roots: Sequence[Node], input_nodes: set[Node], param_nodes: set[Node]
         stack.extend((c, False) for c, _ in children[node] if c not in children)
     to_input: dict[Node, bool] = {}
     to_param: dict[Node, bool] = {}
-    for node in order:
-        if node in to_input:
-            continue
+    for node in order:  # each node once, after its children
         kids = children[node]
         to_input[node] = node in input_nodes or any(to_input.get(c, False) for c, _ in kids)
         to_param[node] = node in param_nodes or any(to_param.get(c, False) for c, _ in kids)

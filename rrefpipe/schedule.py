@@ -322,7 +322,7 @@ def _in_flight_caps(name: str, n: int, m: int, v: int) -> _Caps:
       stages, and 1F1B's peak over its workers.
     - DualPipeV (its workers only; what its phases reach): 2p.
     Where no bound is stated, a worker's is the sum of its stages'."""
-    layout = stage_layout(name, n, v) if name != "1F1B" else list(range(n))
+    layout = stage_layout(name, n, v)
     p = 1 + max(layout)
 
     def summed(stages: list[int]) -> list[int]:
@@ -459,6 +459,11 @@ def _dual_pipe_v(m: int, p: int, r: int) -> list[Action]:
     return order
 
 
+#: What each kind of action does to the micro-batches a stage holds: a forward takes one on, the action
+#: that ends its backward there (a fused ``B``, or ``W`` of a split one) lets it go (``I`` frees nothing).
+_HELD = {"F": 1, "B": -1, "W": -1}
+
+
 def peak_in_flight(orders: Sequence[Sequence[Action]], stages: int) -> list[int]:
     """Per stage, the most micro-batches in flight at once, following the orders: forwarded and not
     yet ended, where the action that ends a micro-batch on a stage is its fused backward ``B`` or, when
@@ -469,7 +474,7 @@ def peak_in_flight(orders: Sequence[Sequence[Action]], stages: int) -> list[int]
     now, peak = [0] * stages, [0] * stages
     for order in orders:
         for a in order:
-            now[a.j] += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            now[a.j] += _HELD.get(a.kind, 0)
             peak[a.j] = max(peak[a.j], now[a.j])
     return peak
 
@@ -482,7 +487,7 @@ def worker_peaks(orders: Sequence[Sequence[Action]], stages: int) -> list[int]:
     for order in orders:
         now = peak = 0
         for a in order:
-            now += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+            now += _HELD.get(a.kind, 0)
             peak = max(peak, now)
         peaks.append(peak)
     return peaks
@@ -501,18 +506,14 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
     n, m, v = stages, chunks, stages_per_worker
     problems: list[str] = []
     name = parse_schedule(schedule) if schedule is not None else None
-    layout = None
-    if name is not None and name in V_SCHEDULES:
-        layout = stage_layout(name, n, v)
-    else:
-        _check_layout(n, v)
+    layout = stage_layout(name or "GPipe", n, v)  # without a schedule, the loop layout
     workers = n // v
     if len(orders) != workers:
         problems.append(f"{len(orders)} worker orders for {workers} workers")
     seen: dict[Action, int] = {}
     for w, order in enumerate(orders):
         for a in order:
-            owner = layout[a.j] if layout is not None and 0 <= a.j < n else a.j % workers
+            owner = layout[a.j] if 0 <= a.j < n else None
             if a.kind not in ("F", "B", "I", "W") or not (0 <= a.i < m and 0 <= a.j < n):
                 problems.append(f"worker {w}: {a} is not an action of {m} micro-batches on {n} stages")
             elif a in seen:

@@ -201,8 +201,8 @@ class _StepRun:
         self.sent: list[Future[Any]] = []
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.later: dict[tuple[int, int], backward_split.WeightGradients] = {}  # W of (j, i), after its I
-        self.params = {j: [p for p in srv.stage.module.parameters() if p.requires_grad]
-                       for j, srv in self.servers.items()}
+        self.params = ({j: list(srv.stage.module.parameters()) for j, srv in self.servers.items()}
+                       if self.meta.split_backward else {})  # what W accumulates into, per stage
         self.losses: list[Tensor] = []
         self._value, self._target = value, target
         self.weights = weights(plan.rows)
