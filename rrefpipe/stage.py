@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from . import autocast, microbatch
 from .autocast import AutocastRegion
@@ -123,8 +124,13 @@ class Stage:
         return StageInfo(self.index, self.worker, str(self.device), names, count, stashes, pops)
 
     def run(self, meta: StepMeta, i: int, value: TensorOrTensors, phonies: Sequence[Tensor] = (),
-            received: dict[SkipKey, Tensor | None] | None = None, sent_with: Tensor | None = None) -> StageOutput:
+            received: dict[SkipKey, Tensor | None] | None = None, sent_with: Tensor | None = None,
+            params: dict[str, Tensor] | None = None) -> StageOutput:
         """Run micro-batch ``i`` with the skip tensors ``received`` from earlier stages.
+
+        ``params``: weights to run with instead of the module's own (a continuous pipeline's version,
+        :mod:`rrefpipe.versions`), named as in ``module.named_parameters()``; a checkpointed run
+        recomputes with them too, in its own backward (never ahead, on another thread).
 
         Under autograd each phony is joined into the output and new phonies are forked for the next
         hops, so every hop stays in the backward graph (see ``dependency``). ``sent_with``: the phony
@@ -156,9 +162,9 @@ class Stage:
                 value = mark(value, backward_end)
             elif timed:  # ... or after the last node that the forward below records
                 phonies = [fence(backward_end, phonies or [new_phony()], self.device)]
-            fn, outgoing = self._runner(meta.step, i, received, meta.spread)
+            fn, outgoing = self._runner(meta.step, i, received, meta.spread, params)
             with random_turns:
-                out = self._checkpointed(meta, i, fn, value, received) if checkpointed else fn(value)
+                out = self._checkpointed(meta, i, fn, value, received, ahead=params is None) if checkpointed else fn(value)
             microbatch.check(out, f"output of stage {self.index}")
             if isinstance(out, list):
                 out = tuple(out)
@@ -183,11 +189,12 @@ class Stage:
         return result
 
     def _checkpointed(self, meta: StepMeta, i: int, fn: Callable[[TensorOrTensors], TensorOrTensors],
-                      value: TensorOrTensors, received: dict[SkipKey, Tensor | None]) -> TensorOrTensors:
+                      value: TensorOrTensors, received: dict[SkipKey, Tensor | None], ahead: bool = True
+                      ) -> TensorOrTensors:
         recomputable = Recomputable(fn, self._copy_input, partial(self._recompute_failed, meta.step, i),
                                     keep_unpacked=meta.split_backward)
         out = recomputable.run(value, [t for t in received.values() if t is not None])
-        if self._ahead is not None:
+        if self._ahead is not None and ahead:
             self._ahead.keep(meta.step, i, recomputable)
         self._checkpoints.setdefault(meta.step, []).append(weakref.ref(recomputable))
         return out
@@ -229,11 +236,18 @@ class Stage:
     def _to_device(self, t: Tensor) -> Tensor:
         return to_device(t, self.device)
 
-    def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None], spread: bool
+    def _runner(self, step: int, i: int, received: dict[SkipKey, Tensor | None], spread: bool,
+                params: dict[str, Tensor] | None = None
                 ) -> tuple[Callable[[TensorOrTensors], TensorOrTensors], dict[SkipKey, Tensor | None]]:
         """The partition's forward with its skip router. The forward records 'forward' and collects the
-        outgoing skips; checkpoint recomputation records 'recompute' and sends nothing."""
+        outgoing skips; checkpoint recomputation records 'recompute' and sends nothing. With ``params``,
+        every call (the recomputation too) runs the module on those weights."""
         outgoing: dict[SkipKey, Tensor | None] = {}
+
+        def call(value: TensorOrTensors) -> TensorOrTensors:
+            if params is None:
+                return self.module(value, spread=spread)
+            return functional_call(self.module, params, (value,), {"spread": spread})
 
         def run(value: TensorOrTensors) -> TensorOrTensors:
             again = is_recomputing()
@@ -241,10 +255,10 @@ class Stage:
             try:
                 with running_stats_frozen(self._plain_norms if again else ()):
                     if not self._skippable:  # the common case: no tracker to install
-                        return self.module(value, spread=spread)
+                        return call(value)
                     router = StageRouter(self.routes, received, recomputing=again)
                     with use_tracker(router):
-                        out = self.module(value, spread=spread)
+                        out = call(value)
                 if not again:
                     outgoing.update(router.outgoing)
                 return out
