@@ -21,18 +21,28 @@ at which workers following those orders under the pipeline's dependencies would 
     worker 0  F0 F1 .  B0 F2 B1 F3 B2 .  B3
     worker 1  .  F0 B0 F1 B1 F2 B2 F3 B3 .
 
-Index names as in the rest of the package: ``i`` micro-batch, ``j`` stage, ``m``/``n`` their counts.
-Stages are numbered along the pipeline (stage j feeds stage j + 1), whatever worker runs them.
+The continuous schedules (``ASYNC_SCHEDULES``: PipeDream, PipeDream-2BW, PipeMare) never drain:
+``stream_order`` gives a stage's order over a stream of batches, with ``U``, its update with a batch's
+gradient; ``weight_version`` and ``pipemare_forward_version`` the weights each batch runs on,
+``weight_buffers`` how many versions a stage keeps, ``check_stream_orders`` the invariants; ``simulate``
+and ``format_orders`` take these orders too. One batch on its own is 1F1B under every rule
+(``step_schedule``).
+
+Index names as in the rest of the package: ``i`` micro-batch, ``j`` stage, ``m``/``n`` their counts,
+``t`` batch. Stages are numbered along the pipeline (stage j feeds stage j + 1), whatever worker runs them.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["CHECKPOINT_MODES", "checkpoint_stop", "clock_cycles", "ideal_efficiency",
-           "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "Action", "Simulation", "parse_schedule", "is_split",
-           "is_v_shaped", "check_schedule", "stage_layout", "stage_worker", "worker_orders",
-           "check_orders", "peak_in_flight", "worker_peaks", "simulate", "format_orders"]
+           "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "ASYNC_SCHEDULES", "Action", "Simulation", "parse_schedule",
+           "is_split", "is_v_shaped", "is_async", "step_schedule", "check_schedule", "stage_layout", "stage_worker",
+           "worker_orders", "check_orders", "peak_in_flight", "worker_peaks", "simulate", "format_orders",
+           "weight_version", "pipemare_forward_version", "weight_buffers", "stream_order", "stream_orders",
+           "check_stream_orders"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -41,6 +51,9 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 SPLIT_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: The schedules that place two stages on each worker in a V (see ``stage_layout``).
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: The continuous (asynchronous) schedules: a pipeline that never drains, each stage applying a batch's
+#: gradient as soon as it has it (``stream_order``), under each rule's weight versions (``weight_version``).
+ASYNC_SCHEDULES = ("PipeDream", "PipeDream-2BW", "PipeMare")
 
 
 def checkpoint_stop(mode: str, chunks: int, *, enabled: bool = True) -> int:
@@ -67,19 +80,31 @@ def ideal_efficiency(m: int, n: int) -> float:
 
 
 class Action(NamedTuple):
-    """One unit of a worker's work on micro-batch ``i`` and stage ``j``: its forward (``kind == "F"``),
-    its backward (``"B"``), or, where a schedule splits the backward (``is_split``), the gradient of
-    the stage's inputs (``"I"``, the paper's B, torch.distributed.pipelining's I) and then that of its
-    weights (``"W"``). A tuple, so that it hashes, sorts and prints plainly."""
+    """One unit of a worker's work on micro-batch ``i`` of batch ``t`` and stage ``j``: its forward
+    (``kind == "F"``), its backward (``"B"``), or, where a schedule splits the backward (``is_split``),
+    the gradient of the stage's inputs (``"I"``, the paper's B, torch.distributed.pipelining's I) and
+    then that of its weights (``"W"``). In a continuous pipeline (``stream_order``), ``"U"`` (with
+    ``i = -1``) is stage j's optimizer update with batch t's gradient. One step's orders leave ``t``
+    at 0. A tuple, so that it hashes, sorts and prints plainly."""
 
     kind: str
     i: int
     j: int
+    t: int = 0
 
-    def label(self, with_stage: bool = False) -> str:
+    def label(self, with_stage: bool = False, with_batch: bool = False) -> str:
         """``"F3"``, ``"I3"``, ``"W3"``; ``"5F3"`` (stage 5) where a worker holds several stages, as
-        torch.distributed.pipelining prints its actions."""
-        return f"{self.j if with_stage else ''}{self.kind}{self.i}"
+        torch.distributed.pipelining prints its actions; ``"F1.3"`` (batch 1) ``with_batch``, as in a
+        stream's table; ``"U1"`` (batch 1's update) always."""
+        stage = self.j if with_stage else ""
+        if self.kind == "U":
+            return f"{stage}U{self.t}"
+        return f"{stage}{self.kind}{f'{self.t}.' if with_batch else ''}{self.i}"
+
+    def __repr__(self) -> str:
+        """Without ``t`` when it is 0, so that one step's actions print as they always have."""
+        batch = f", t={self.t}" if self.t else ""
+        return f"Action(kind={self.kind!r}, i={self.i}, j={self.j}{batch})"
 
 
 class Simulation(NamedTuple):
@@ -97,11 +122,28 @@ class Simulation(NamedTuple):
 
 
 def parse_schedule(name: str) -> str:
-    """The canonical name in ``SCHEDULES`` for ``name``, in any case ("1f1b" -> "1F1B")."""
-    names = {s.lower(): s for s in SCHEDULES}
+    """The canonical name in ``SCHEDULES`` or ``ASYNC_SCHEDULES`` for ``name``, in any case
+    ("1f1b" -> "1F1B", "pipedream-2bw" -> "PipeDream-2BW")."""
+    known = SCHEDULES + ASYNC_SCHEDULES
+    names = {s.lower(): s for s in known}
     if not isinstance(name, str) or name.lower() not in names:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)} (any case), got {name!r}")
+        raise ValueError(f"schedule must be one of {', '.join(known)} (any case), got {name!r}")
     return names[name.lower()]
+
+
+def is_async(schedule: str) -> bool:
+    """Whether ``schedule`` is a continuous one (``ASYNC_SCHEDULES``): stages update their weights
+    while later batches are in flight, so a batch may run on older weights."""
+    return parse_schedule(schedule) in ASYNC_SCHEDULES
+
+
+def step_schedule(schedule: str) -> str:
+    """The synchronous schedule that runs one step of ``schedule``: "1F1B" for a continuous one (one
+    batch on its own, under any asynchronous rule, is plain 1F1B: every update comes after its last
+    backward), else ``schedule``'s canonical name. What the one-step functions (``worker_orders``,
+    ``check_orders``) dispatch on."""
+    name = parse_schedule(schedule)
+    return "1F1B" if name in ASYNC_SCHEDULES else name
 
 
 def is_split(schedule: str) -> bool:
@@ -168,7 +210,8 @@ def check_schedule(schedule: str, stages: int, chunks: int, stages_per_worker: i
     GPipe and 1F1B run one stage per worker; Interleaved1F1B and InterleavedZeroBubble any number v
     dividing the stage count (InterleavedZeroBubble with v = 1 is the paper's ZB-H1); the V-shaped
     ZBVZeroBubble and DualPipeV exactly two, so an even stage count. Interleaved1F1B needs chunks a
-    multiple of the worker count, DualPipeV at least as many micro-batches as stages."""
+    multiple of the worker count, DualPipeV at least as many micro-batches as stages. The continuous
+    schedules (``ASYNC_SCHEDULES``) run one stage per worker and a step as 1F1B's (``step_schedule``)."""
     name = parse_schedule(schedule)
     if stages < 1 or chunks < 1:
         raise ValueError(f"a schedule needs at least one stage and one micro-batch, got stages={stages}, "
@@ -177,6 +220,9 @@ def check_schedule(schedule: str, stages: int, chunks: int, stages_per_worker: i
     if name in V_SCHEDULES:
         _check_v(name, stages, v)
     _check_layout(stages, v)
+    if v > 1 and name in ASYNC_SCHEDULES:
+        raise ValueError(f"{name} runs exactly one stage per worker (each stage keeps its own weight versions and "
+                         f"steps its own optimizer): use stages_per_worker=1, got {v}")
     if v > 1 and name in ("GPipe", "1F1B"):
         raise ValueError(f"stages_per_worker={v} needs a schedule that runs several stages on a worker: "
                          f"schedule='Interleaved1F1B' or 'InterleavedZeroBubble' (any divisor of the stage "
@@ -251,12 +297,15 @@ def worker_orders(schedule: str, stages: int, chunks: int, stages_per_worker: in
       2p - 1 - r on worker r with ``I`` and ``W``: the first p - 1 - r of stage b and p of the
       worker's last backwards. Each worker holds at most 2p stage-halves, as ZBVZeroBubble.
 
+    A continuous schedule (``ASYNC_SCHEDULES``) gives 1F1B's orders: one step on its own
+    (``step_schedule``); its stream's orders are ``stream_order``'s.
+
     Raises ValueError (saying what to change) for an unknown schedule, stages or chunks below 1,
-    ``stages_per_worker`` not dividing ``stages``, above 1 for GPipe or 1F1B, or not 2 (or an odd
-    stage count) for the V-shaped schedules, Interleaved1F1B with ``chunks`` not a multiple of the
-    worker count, and DualPipeV with fewer micro-batches than stages.
+    ``stages_per_worker`` not dividing ``stages``, above 1 for GPipe, 1F1B or a continuous schedule, or
+    not 2 (or an odd stage count) for the V-shaped schedules, Interleaved1F1B with ``chunks`` not a
+    multiple of the worker count, and DualPipeV with fewer micro-batches than stages.
     """
-    name = check_schedule(schedule, stages, chunks, stages_per_worker)
+    name = step_schedule(check_schedule(schedule, stages, chunks, stages_per_worker))
     n, m = stages, chunks
     if name == "GPipe":
         return [[Action("F", i, j) for i in range(m)] + [Action("B", i, j) for i in reversed(range(m))]
@@ -367,16 +416,16 @@ def _zero_bubble(m: int, layout: Sequence[int], caps: Sequence[int]) -> list[lis
     forwarded, input_done = [0] * n, [0] * n  # per stage: micro-batches past F, past I
     in_flight = [0] * n
     pending: list[list[Action]] = [[] for _ in range(p)]  # per worker: its Ws not run, oldest first
-    done: set[tuple[str, int, int]] = set()
+    done: set[Action] = set()
     orders: list[list[Action]] = [[] for _ in range(p)]
     left = 3 * n * m
     while left:
         ran: list[Action] = []
         for w, mine in enumerate(stages_of):
             grads = [Action("I", input_done[j], j) for j in mine if input_done[j] < forwarded[j]
-                     and (j == n - 1 or ("I", input_done[j], j + 1) in done)]
+                     and (j == n - 1 or Action("I", input_done[j], j + 1) in done)]
             forwards = [Action("F", forwarded[j], j) for j in mine if forwarded[j] < m and in_flight[j] < caps[j]
-                        and (j == 0 or ("F", forwarded[j], j - 1) in done)]
+                        and (j == 0 or Action("F", forwarded[j], j - 1) in done)]
             if grads:
                 a = min(grads, key=lambda a: (a.i, -a.j))
             elif forwards:
@@ -505,7 +554,7 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
     schedules 2p = n stage-micro-batches per worker."""
     n, m, v = stages, chunks, stages_per_worker
     problems: list[str] = []
-    name = parse_schedule(schedule) if schedule is not None else None
+    name = step_schedule(schedule) if schedule is not None else None
     layout = stage_layout(name or "GPipe", n, v)  # without a schedule, the loop layout
     workers = n // v
     if len(orders) != workers:
@@ -539,9 +588,14 @@ def check_orders(orders: Sequence[Sequence[Action]], stages: int, chunks: int, s
         problems.append(f"{len(missing)} actions in no order, first {missing[:4]}")
     if name is not None and not problems:
         problems += _bound_problems(orders, name, n, m, v)
+    _raise_problems("the orders", problems)
+
+
+def _raise_problems(what: str, problems: Sequence[str]) -> None:
+    """Raise one ValueError listing the first ten ``problems`` (if any) that ``what`` has."""
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise ValueError(f"the orders break {len(problems)} schedule invariant(s):\n  {shown}")
+        raise ValueError(f"{what} break {len(problems)} schedule invariant(s):\n  {shown}")
 
 
 def _bound_problems(orders: Sequence[Sequence[Action]], name: str, n: int, m: int, v: int) -> list[str]:
@@ -559,16 +613,21 @@ def _bound_problems(orders: Sequence[Sequence[Action]], name: str, n: int, m: in
     return problems
 
 
-def _needs(a: Action, n: int, grad: Mapping[tuple[int, int], str]) -> Action | None:
+def _needs(a: Action, n: int, grad: Mapping[tuple[int, int, int], str]) -> Action | None:
     """The action of another stage (or an earlier one of the same stage) that ``a`` waits for: the
-    previous stage's forward of the same micro-batch; for a backward (``B`` or ``I``), the next stage's
-    backward of it (``B`` or ``I``, whichever that stage runs: ``grad``), or on the last stage its own
-    forward; for ``W``, its ``I``."""
+    previous stage's forward of the same micro-batch (of the same batch); for a backward (``B`` or
+    ``I``), the next stage's backward of it (``B`` or ``I``, whichever that stage runs: ``grad``, by
+    (t, i, j)), or on the last stage its own forward; for ``W``, its ``I``. An update ``U`` waits only
+    for its own stage's earlier actions, which its worker's order runs first."""
+    if a.kind == "U":
+        return None
     if a.kind == "F":
-        return Action("F", a.i, a.j - 1) if a.j > 0 else None
+        return Action("F", a.i, a.j - 1, a.t) if a.j > 0 else None
     if a.kind == "W":
-        return Action("I", a.i, a.j)
-    return Action(grad.get((a.i, a.j + 1), "B"), a.i, a.j + 1) if a.j < n - 1 else Action("F", a.i, a.j)
+        return Action("I", a.i, a.j, a.t)
+    if a.j == n - 1:
+        return Action("F", a.i, a.j, a.t)
+    return Action(grad.get((a.t, a.i, a.j + 1), "B"), a.i, a.j + 1, a.t)
 
 
 def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | None = None) -> Simulation:
@@ -577,28 +636,30 @@ def simulate(orders: Sequence[Sequence[Action]], costs: Mapping[str, float] | No
     Stages are numbered along the pipeline (stage j feeds stage j + 1) whatever worker runs them.
     ``costs`` gives the duration per kind, ``F``, ``B``, ``I``, ``W`` (default 1 tick each, e.g.
     ``{"F": 1, "B": 2}``; a fused B costs what is given for it, not I + W: pass ``{"B": 2}`` to compare
-    a fused schedule with a split one fairly); transfers are free. Raises ValueError naming what each
-    stuck worker waits for if an order can never proceed (a deadlock: a runtime following it would
-    hang)."""
-    cost = {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **(costs or {})}
-    if any(c <= 0 for c in cost.values()):
-        raise ValueError(f"costs must be positive, got {dict(cost)}")
+    a fused schedule with a split one fairly), and ``U``, a stream's update (default 0, or any
+    duration >= 0); transfers are free. Stream orders (``stream_orders``) are one per stage, their
+    actions keyed by batch and micro-batch. Raises ValueError naming what each stuck worker waits for
+    if an order can never proceed (a deadlock: a runtime following it would hang)."""
+    cost = {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, "U": 0.0, **(costs or {})}
+    if any(c <= 0 for kind, c in cost.items() if kind != "U") or cost["U"] < 0:
+        raise ValueError(f"costs must be positive (U's at least 0), got {dict(cost)}")
     n = 1 + max((a.j for order in orders for a in order), default=-1)
-    grad = {(a.i, a.j): a.kind for order in orders for a in order if a.kind in ("B", "I")}
+    grad = {(a.t, a.i, a.j): a.kind for order in orders for a in order if a.kind in ("B", "I")}
     ends: dict[Action, float] = {}
     starts: dict[Action, float] = {}
     nexts, free_at, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
     t = 0.0
     while True:
         for w, order in enumerate(orders):
-            if nexts[w] < len(order) and free_at[w] <= t:
+            while nexts[w] < len(order) and free_at[w] <= t:  # more than one only after a free action (U)
                 a = order[nexts[w]]
                 need = _needs(a, n, grad)
-                if need is None or ends.get(need, t + 1) <= t:
-                    starts[a], ends[a] = t, t + cost[a.kind]
-                    free_at[w] = ends[a]
-                    busy[w] += cost[a.kind]
-                    nexts[w] += 1
+                if need is not None and ends.get(need, t + 1) > t:
+                    break
+                starts[a], ends[a] = t, t + cost[a.kind]
+                free_at[w] = ends[a]
+                busy[w] += cost[a.kind]
+                nexts[w] += 1
         later = [f for f in free_at if f > t]
         if later:
             t = min(later)
@@ -614,17 +675,289 @@ def format_orders(orders: Sequence[Sequence[Action]]) -> str:
     """A printable table of ``orders`` at unit costs: one row per worker, one column per tick of
     ``simulate``, "." where the worker waits. Actions read "F3" (forward of micro-batch 3), "B3"
     (its backward), "I3" and "W3" (the halves of a split backward), or "5F3" (stage 5) where a
-    worker holds several stages."""
+    worker holds several stages. Stream orders (``stream_orders``) read "F1.3" (micro-batch 3 of
+    batch 1), and batch 1's update, which takes no time, joins the cell of the backward before it:
+    "B1.3+U1"; their columns are each as wide as they need."""
     sim = simulate(orders)
     with_stage = any(len({a.j for a in order}) > 1 for order in orders)
+    stream = any(a.kind == "U" or a.t for order in orders for a in order)
     ticks = int(sim.makespan)
     rows = [["."] * ticks for _ in orders]
     for w, order in enumerate(orders):
+        tick = 0
         for a in order:
-            rows[w][int(sim.starts[a])] = a.label(with_stage)
-    width = max([len(str(ticks - 1))] + [len(cell) for row in rows for cell in row])
+            if a.kind == "U" and rows[w][tick] != ".":  # no duration: with the action it follows
+                rows[w][tick] += "+" + a.label(with_stage)
+                continue
+            tick = int(sim.starts[a])
+            rows[w][tick] = a.label(with_stage, with_batch=stream)
     names = ["tick"] + [f"worker {w}" for w in range(len(orders))]
     first = max(len(s) for s in names)
     lines = [[str(k) for k in range(ticks)]] + rows
-    return "\n".join(f"{name:<{first}}  " + " ".join(f"{c:<{width}}" for c in cells).rstrip()
+    width = max(len(cell) for cells in lines for cell in cells) if lines[0] else 0
+    widths = [max(len(cells[k]) for cells in lines) for k in range(ticks)] if stream else [width] * ticks
+    return "\n".join(f"{name:<{first}}  " + " ".join(f"{c:<{w}}" for c, w in zip(cells, widths)).rstrip()
                      for name, cells in zip(names, lines))
+
+
+# Continuous pipelines (ASYNC_SCHEDULES): batch after batch without a flush, each stage applying batch
+# t's gradient (U(t)) as soon as its last backward of t is done, while later batches are in flight.
+
+def _check_stream(schedule: str, stages: int, chunks: int, vertical_sync: bool) -> str:
+    """The canonical name once a stream's arguments fit it: vertical sync is PipeDream's only."""
+    name = parse_schedule(schedule)
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"a stream needs at least one stage and one micro-batch, got stages={stages}, chunks={chunks}")
+    if vertical_sync and name != "PipeDream":
+        raise ValueError(f"vertical_sync=True goes with schedule='PipeDream' only (every stage then uses the "
+                         f"version stage 0 uses), got schedule={name!r}")
+    return name
+
+
+def _delay(stages: int, j: int, chunks: int) -> int:
+    """d_j = ceil((n - 1 - j) / m): how many batches stage j's newest weights lag behind the batch that
+    starts on it in continuous 1F1B, n - 1 - j micro-batches ahead of its backwards."""
+    return -(-(stages - 1 - j) // chunks)
+
+
+def weight_version(schedule: str, t: int, j: int, stages: int, chunks: int, *, vertical_sync: bool = False) -> int:
+    """The weight version (the number of updates applied on stage j) that batch t's forward and
+    backward use on stage j, with n = ``stages``, m = ``chunks`` (the pipe's) and
+    d_j = ceil((n - 1 - j) / m):
+
+    - "PipeDream": max(t - d_j, 0), the newest version when batch t's first micro-batch enters
+      stage j, stashed until its backward; with ``vertical_sync``, max(t - d_0, 0) on every stage,
+      so that a batch uses one version throughout the pipeline.
+    - "PipeDream-2BW": max(t - 1, 0) with n >= 2, on every stage: one update behind, so that a stage
+      keeps two versions (double-buffered: the live one and one stashed); t with one stage, which is
+      then synchronous.
+    - a synchronous schedule: t (every update comes after the batch before).
+
+    PipeMare keeps no version (its forward reads the weights current when it runs, its backward the
+    ones after t updates): see ``pipemare_forward_version``; it raises ValueError here, as does
+    ``vertical_sync`` with anything but PipeDream."""
+    name = _check_stream(schedule, stages, chunks, vertical_sync)
+    if not 0 <= j < stages or t < 0:
+        raise ValueError(f"no stage {j} of {stages} or batch {t}")
+    if name == "PipeMare":
+        raise ValueError("PipeMare stashes no weight version: a forward reads the weights current when it runs "
+                         "(pipemare_forward_version), every backward of batch t the weights after t updates")
+    if name == "PipeDream":
+        return max(t - _delay(stages, 0 if vertical_sync else j, chunks), 0)
+    if name == "PipeDream-2BW" and stages > 1:
+        return max(t - 1, 0)
+    return t
+
+
+def pipemare_forward_version(t: int, i: int, j: int, stages: int, chunks: int) -> int:
+    """Under PipeMare, the updates applied on stage j when F(t, i, j) runs in ``stream_order``:
+    max(floor((t m + i - (n - 1 - j)) / m), 0). The forward runs n - j micro-batches of the global
+    sequence after the backward that frees its slot, and every m-th backward ends a batch with an
+    update. A batch's micro-batches may see different versions; its backwards all see t."""
+    if not 0 <= j < stages or t < 0 or not 0 <= i < chunks:
+        raise ValueError(f"no micro-batch {i} of {chunks}, stage {j} of {stages} or batch {t}")
+    return max((t * chunks + i - (stages - 1 - j)) // chunks, 0)
+
+
+def weight_buffers(schedule: str, stages: int, j: int, chunks: int, *, vertical_sync: bool = False) -> int:
+    """The most weight versions stage j keeps at once in a stream (the live one, the ones batches in
+    flight use and the ones later batches will need): PipeDream d_j + 1 (n - j at m = 1), with
+    ``vertical_sync`` d_0 + 1, PipeDream-2BW 2 (1 with one stage), PipeMare and a synchronous
+    schedule 1."""
+    name = _check_stream(schedule, stages, chunks, vertical_sync)
+    if not 0 <= j < stages:
+        raise ValueError(f"no stage {j} of {stages}")
+    if name == "PipeDream":
+        return _delay(stages, 0 if vertical_sync else j, chunks) + 1
+    return 2 if name == "PipeDream-2BW" and stages > 1 else 1
+
+
+def _chunk_count(t: int, count: int | None, chunks: int) -> int | None:
+    """Batch t's micro-batch count, checked: between 1 and the pipe's chunks, or None (the end)."""
+    if count is not None and not 1 <= count <= chunks:
+        raise ValueError(f"batch {t} has {count} micro-batches; a batch has between 1 and chunks={chunks}")
+    return count
+
+
+def stream_order(schedule: str, stages: int, j: int, chunks_of: Callable[[int], int | None], *, chunks: int,
+                 vertical_sync: bool = False, forward_only: bool = False) -> Iterator[Action]:
+    """Stage j's actions in a continuous pipeline, lazily: ``chunks_of(t)`` is batch t's micro-batch
+    count, or None when the stream ends before batch t; it is called at most once per t, and only when
+    the next action depends on it (a runtime's may block until the batch is announced).
+
+    ``forward_only``: F(t, i, j) for every micro-batch, batch after batch. Otherwise 1F1B over the
+    global micro-batch sequence: the next forward while fewer than n - j micro-batches are forwarded
+    and not backwarded (1F1B's activation bound) and that forward is allowed, else the oldest pending
+    backward, and U(t) right after batch t's last backward. A batch's first forward is allowed once
+    its batch exists and, under PipeDream and PipeDream-2BW, once the weight version it uses
+    (``weight_version``) exists: 2BW with m < n - 1 waits here, running backwards instead, which never
+    deadlocks since a backward waits only for later stages. Ends once the stream has ended and no
+    backward is pending. Deterministic: a pure function of the arguments and ``chunks_of``'s values."""
+    name = _check_stream(schedule, stages, chunks, vertical_sync)
+    if not 0 <= j < stages:
+        raise ValueError(f"no stage {j} of {stages}")
+    counts: dict[int, int | None] = {}
+
+    def count(t: int) -> int | None:
+        if t not in counts:
+            counts[t] = _chunk_count(t, chunks_of(t), chunks)
+        return counts[t]
+
+    if forward_only:
+        t = 0
+        while (m := count(t)) is not None:
+            yield from (Action("F", i, j, t) for i in range(m))
+            t += 1
+        return
+    version = _stashed_version(name, j, stages, chunks, vertical_sync)
+    pending: deque[tuple[int, int, bool]] = deque()  # (t, i, i is t's last) forwarded here, not backwarded
+    t, i, updates, ended = 0, 0, 0, False
+    while True:
+        waits = version is not None and i == 0 and version(t) > updates
+        if not ended and len(pending) < stages - j and not waits:
+            m = count(t)
+            ended = m is None
+            if m is not None:
+                yield Action("F", i, j, t)
+                pending.append((t, i, i == m - 1))
+                t, i = (t, i + 1) if i + 1 < m else (t + 1, 0)
+                continue
+        if not pending:
+            return
+        bt, bi, last = pending.popleft()
+        yield Action("B", bi, j, bt)
+        if last:
+            yield Action("U", -1, j, bt)
+            updates += 1
+
+
+def _stashed_version(name: str, j: int, stages: int, chunks: int,
+                     vertical_sync: bool) -> Callable[[int], int] | None:
+    """Batch t -> the version it uses on stage j, under the rules that stash one (PipeDream and
+    PipeDream-2BW); None under the others, whose forwards need no version to exist first."""
+    if name not in ("PipeDream", "PipeDream-2BW"):
+        return None
+    return lambda t: weight_version(name, t, j, stages, chunks, vertical_sync=vertical_sync)
+
+
+def _batch_counts(chunks: int, batches: int | Sequence[int]) -> list[int]:
+    """Each batch's micro-batch count: ``batches`` batches of ``chunks``, or the counts given."""
+    counts = [chunks] * batches if isinstance(batches, int) else list(batches)
+    for t, c in enumerate(counts):
+        _chunk_count(t, c, chunks)
+    return counts
+
+
+def stream_orders(schedule: str, stages: int, chunks: int, batches: int | Sequence[int], *,
+                  vertical_sync: bool = False, forward_only: bool = False) -> list[list[Action]]:
+    """Every stage's ``stream_order`` over a finite stream: ``batches`` batches of ``chunks``
+    micro-batches, or a micro-batch count per batch (such as an unequal last batch)."""
+    counts = _batch_counts(chunks, batches)
+
+    def chunks_of(t: int) -> int | None:
+        return counts[t] if t < len(counts) else None
+
+    return [list(stream_order(schedule, stages, j, chunks_of, chunks=chunks, vertical_sync=vertical_sync,
+                              forward_only=forward_only)) for j in range(stages)]
+
+
+def check_stream_orders(schedule: str, orders: Sequence[Sequence[Action]], stages: int, chunks: int,
+                        batches: int | Sequence[int], *, vertical_sync: bool = False,
+                        forward_only: bool = False) -> None:
+    """Raise ValueError listing every broken invariant that a runtime following the stream ``orders``
+    (one per stage) relies on: every F(t, i, j) and B(t, i, j) exactly once, on stage j; forwards and
+    backwards each in (t, i) order (BatchNorm's statistics and the versions rely on it); F before its
+    B; U(t) exactly once, after batch t's last backward and before B(t + 1, 0) (so a backward of
+    batch t sees t updates); at most n - j micro-batches in flight on stage j; the versions: under
+    PipeDream and PipeDream-2BW, F(t, 0, j) after the updates that create ``weight_version`` (exactly
+    that many under PipeDream without vertical sync: the newest), and at most ``weight_buffers``
+    versions in use at once (the live one and those of the batches in flight); under PipeMare,
+    ``pipemare_forward_version`` updates before F(t, i, j) (while the batches before t are full: the
+    closed form counts in whole batches) and t before B(t, i, j). ``forward_only``: the forwards only."""
+    name = _check_stream(schedule, stages, chunks, vertical_sync)
+    counts = _batch_counts(chunks, batches)
+    problems = [f"{len(orders)} stage orders for {stages} stages"] if len(orders) != stages else []
+    for j, order in enumerate(orders[:stages]):
+        problems += [f"stage {j}: {p}" for p in _stream_problems(name, list(order), j, stages, chunks, counts,
+                                                                 vertical_sync, forward_only)]
+    _raise_problems("the stream orders", problems)
+
+
+def _stream_problems(name: str, order: list[Action], j: int, n: int, m: int, counts: list[int],
+                     vertical_sync: bool, forward_only: bool) -> list[str]:
+    """What breaks ``check_stream_orders``'s invariants in stage j's order."""
+    micro = [(t, i) for t, c in enumerate(counts) for i in range(c)]
+    kinds = "F" if forward_only else "FBU"
+    expected = {k: [Action(k, i, j, t) for t, i in micro] for k in "FB"}
+    expected["U"] = [Action("U", -1, j, t) for t in range(len(counts))]
+    known = {a for k in kinds for a in expected[k]}
+    foreign = [a for a in order if a not in known]
+    if foreign:
+        return [f"{a} is not an action of stage {j} in this stream" for a in foreign[:4]]
+    problems = [problem for k in kinds for problem in _sequence_problems(k, order, expected[k])]
+    if problems:
+        return problems
+    return [] if forward_only else _timing_problems(name, order, j, n, m, counts, vertical_sync)
+
+
+def _sequence_problems(kind: str, order: list[Action], expected: list[Action]) -> list[str]:
+    """Where stage j's actions of one ``kind`` differ from the ``expected`` sequence: repeats, gaps,
+    or the (t, i) order broken."""
+    got = [a for a in order if a.kind == kind]
+    seen = set()
+    for a in got:
+        if a in seen:
+            return [f"{a} appears again"]
+        seen.add(a)
+    missing = [a for a in expected if a not in seen]
+    if missing:
+        return [f"{len(missing)} {kind} actions in no order, first {missing[:4]}"]
+    wrong = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    return [] if wrong is None else [f"{got[wrong]} out of (t, i) order: {expected[wrong]} comes first"]
+
+
+def _timing_problems(name: str, order: list[Action], j: int, n: int, m: int, counts: list[int],
+                     vertical_sync: bool) -> list[str]:
+    """The invariants that depend on where the actions sit in stage j's order (each action present
+    once, forwards and backwards in order): F before its B, each U after its batch's backwards and
+    before the next batch's, the in-flight bound, and the versions."""
+    problems: list[str] = []
+    forwarded: set[tuple[int, int]] = set()
+    backwarded = [0] * len(counts)
+    in_flight, updates, newest = 0, 0, -1  # newest: the last batch forwarded here
+    version = _stashed_version(name, j, n, m, vertical_sync)
+    buffers = weight_buffers(name, n, j, m, vertical_sync=vertical_sync)
+    full = [all(c == m for c in counts[:t]) for t in range(len(counts))]  # PipeMare's form counts whole batches
+    for a in order:
+        if a.kind == "F":
+            if version is not None and a.i == 0:
+                if updates < version(a.t):
+                    problems.append(f"{a} after {updates} updates: it uses version {version(a.t)}, not made yet")
+                elif name == "PipeDream" and not vertical_sync and updates != version(a.t):
+                    problems.append(f"{a} after {updates} updates: it uses version {version(a.t)}, not the newest")
+            if name == "PipeMare" and full[a.t] and updates != pipemare_forward_version(a.t, a.i, j, n, m):
+                problems.append(f"{a} after {updates} updates, pipemare_forward_version says "
+                                f"{pipemare_forward_version(a.t, a.i, j, n, m)}")
+            forwarded.add((a.t, a.i))
+            newest = a.t
+            in_flight += 1
+            if in_flight > n - j:
+                problems.append(f"{in_flight} micro-batches in flight at {a}, at most n - j = {n - j}")
+        elif a.kind == "B":
+            if (a.t, a.i) not in forwarded:
+                problems.append(f"{a} comes before its forward")
+            if updates != a.t:
+                problems.append(f"{a} after {updates} updates: it comes "
+                                + (f"before U({a.t - 1})" if updates < a.t else f"after U({a.t})"))
+            backwarded[a.t] += 1
+            in_flight -= 1
+        else:
+            if backwarded[a.t] != counts[a.t]:
+                problems.append(f"{a} after {backwarded[a.t]} of batch {a.t}'s {counts[a.t]} backwards")
+            updates += 1
+        if version is not None:
+            in_use = {version(t) for t in range(updates, newest + 1)} | {updates}
+            if len(in_use) > buffers:
+                problems.append(f"{len(in_use)} weight versions in use at {a} ({sorted(in_use)}), {name} keeps "
+                                f"{buffers}")
+    return problems[:4]
