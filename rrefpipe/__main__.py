@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .schedule import (SCHEDULES, check_schedule, format_orders, is_v_shaped, parse_schedule, peak_in_flight,
-                       simulate, stage_layout, worker_orders, worker_peaks)
+from .schedule import (ASYNC_SCHEDULES, SCHEDULES, Action, check_schedule, format_orders, is_async, is_v_shaped,
+                       parse_schedule, peak_in_flight, pipemare_forward_version, simulate, stage_layout, stream_orders,
+                       weight_buffers, weight_version, worker_orders, worker_peaks)
 
 __all__ = ["main"]
 
@@ -72,7 +73,7 @@ def _timeline_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=int, default=512, help="width of the MLP's layers (default: %(default)s)")
     p.add_argument("--layers-per-stage", type=int, default=2,
                    help="Linear+ReLU pairs per stage (default: %(default)s)")
-    p.add_argument("--schedule", type=_schedule, metavar="{" + ",".join(SCHEDULES) + "}",
+    p.add_argument("--schedule", type=_step_schedule, metavar="{" + ",".join(SCHEDULES) + "}",
                    help="run each step as pipe.train_step(ctx, x, target, mse_loss) under this schedule (any "
                    "case), the loss on the last stage; without it, each step is pipe(x) and pipe.backward, "
                    "which run GPipe's order")
@@ -87,6 +88,18 @@ def _schedule(name: str) -> str:
         return parse_schedule(name)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _step_schedule(name: str) -> str:
+    """A synchronous schedule: the timeline draws one ``train_step``, which would run a continuous
+    schedule as plain 1F1B, under the wrong name."""
+    canonical = _schedule(name)
+    if is_async(canonical):
+        raise argparse.ArgumentTypeError(
+            f"schedule must be one of {', '.join(SCHEDULES)} (any case) for a timeline of train_step steps, got "
+            f"{name!r}: {canonical} is a continuous schedule, whose stream `python -m rrefpipe schedule --schedule "
+            f"{canonical}` prints")
+    return canonical
 
 
 def _check_timeline(args: argparse.Namespace) -> None:
@@ -148,10 +161,14 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
                        "  python -m rrefpipe schedule --schedule ZBVZeroBubble --stages 4 --stages-per-worker 2 "
                        "--chunks 8\n"
                        "  python -m rrefpipe schedule --schedule DualPipeV --stages 4 --stages-per-worker 2 --chunks 8 "
-                       "--costs F=1,I=1,W=1,B=2",
+                       "--costs F=1,I=1,W=1,B=2\n"
+                       "  python -m rrefpipe schedule --schedule PipeDream-2BW --stages 3 --chunks 2 --batches 4",
                        formatter_class=HelpFormatter)
-    p.add_argument("--schedule", type=_schedule, default="1F1B", metavar="{" + ",".join(SCHEDULES) + "}",
-                   help="the schedule, in any case (default: %(default)s)")
+    p.add_argument("--schedule", type=_schedule, default="1F1B",
+                   metavar="{" + ",".join(SCHEDULES + ASYNC_SCHEDULES) + "}",
+                   help="the schedule, in any case; PipeDream, PipeDream-2BW and PipeMare are continuous: their table "
+                   "is a stream of --batches batches, F1.3 the forward of batch 1's micro-batch 3, B1.3+U1 its "
+                   "backward then batch 1's update (default: %(default)s)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch (default: %(default)s)")
     p.add_argument("--stages-per-worker", type=int, default=1,
@@ -160,26 +177,45 @@ def _schedule_parser(sub: argparse._SubParsersAction) -> None:
                    "(in a V) (default: %(default)s)")
     p.add_argument("--costs", type=_costs, default={}, metavar="KIND=TICKS,...",
                    help="durations of F, B, I, W for the bubble line, e.g. F=1,I=1,W=1,B=2 to weigh a fused "
-                   "backward as its two halves; the table is drawn at unit costs (default: 1 each)")
+                   "backward as its two halves, and U, a continuous schedule's update; the table is drawn at unit "
+                   "costs (default: 1 each, U 0)")
+    p.add_argument("--batches", type=int, metavar="T",
+                   help=f"batches in the stream of a continuous schedule ({', '.join(ASYNC_SCHEDULES)}), each of "
+                   f"CHUNKS micro-batches; a synchronous schedule prints one step (default: {STREAM_BATCHES})")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="PipeDream only: every stage runs a batch on the weight version stage 0 uses (default: off)")
 
 
 def _costs(text: str) -> dict[str, float]:
     costs = {}
     for item in filter(None, text.split(",")):
         kind, _, value = item.partition("=")
+        kind = kind.strip().upper()
         try:
-            costs[kind.strip().upper()] = float(value)
+            costs[kind] = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"costs are KIND=TICKS pairs such as F=1,B=2, got {item!r}") from None
-        if kind.strip().upper() not in ("F", "B", "I", "W") or costs[kind.strip().upper()] <= 0:
-            raise argparse.ArgumentTypeError(f"costs are positive durations of F, B, I or W, got {item!r}")
+        if kind not in ("F", "B", "I", "W", "U") or costs[kind] < 0 or (costs[kind] == 0 and kind != "U"):
+            raise argparse.ArgumentTypeError(f"costs are positive durations of F, B, I or W (U's may be 0), got "
+                                             f"{item!r}")
     return costs
+
+
+#: The batches ``python -m rrefpipe schedule`` streams under a continuous schedule without ``--batches``.
+STREAM_BATCHES = 4
 
 
 def _print_schedule(args: argparse.Namespace) -> None:
     """The ``schedule`` command: the orders' table, the bubble and the in-flight peaks."""
     name, n, m, v = args.schedule, args.stages, args.chunks, args.stages_per_worker
     check_schedule(name, n, m, v)
+    if is_async(name):
+        _print_stream(args)
+        return
+    if args.batches is not None or args.vertical_sync:
+        raise ValueError(f"--batches and --vertical-sync are for the continuous schedules "
+                         f"({', '.join(ASYNC_SCHEDULES)}): {name} drains the pipeline after each batch, so its orders "
+                         f"are one step's")
     orders = worker_orders(name, n, m, v)
     layout = stage_layout(name, n, v)
     how = (" in a V" if is_v_shaped(name) else "") if v > 1 else ""
@@ -187,12 +223,58 @@ def _print_schedule(args: argparse.Namespace) -> None:
                        for w in range(len(orders))) if v > 1 else ""
     print(f"{name}: {n} stages on {len(orders)} workers{how}, {m} micro-batches" + (f" ({placed})" if placed else ""))
     print(format_orders(orders))
-    for costs in ([{}] + ([args.costs] if args.costs else [])):
-        sim = simulate(orders, costs)
-        given = ", ".join(f"{k}={c:g}" for k, c in {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0, **costs}.items())
-        print(f"at {'costs ' + given if costs else 'unit costs'}: {sim.makespan:g} ticks, bubble {sim.bubble:.1%}")
+    _print_bubbles(orders, args.costs, {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0})
     print(f"micro-batches in flight at most, per stage: {peak_in_flight(orders, n)}"
           + (f"; per worker (all its stages): {worker_peaks(orders, n)}" if v > 1 else ""))
+
+
+def _print_bubbles(orders: Sequence[Sequence[Action]], costs: dict[str, float], defaults: dict[str, float]) -> None:
+    """The makespan and bubble at unit costs and, if given, at ``costs`` (listed over ``defaults``)."""
+    unit: dict[str, float] = {}
+    for given in [unit] + ([costs] if costs else []):
+        sim = simulate(orders, given)
+        listed = ", ".join(f"{k}={c:g}" for k, c in {**defaults, **given}.items())
+        print(f"at {'costs ' + listed if given else 'unit costs'}: {sim.makespan:g} ticks, bubble {sim.bubble:.1%}")
+
+
+def _print_stream(args: argparse.Namespace) -> None:
+    """The ``schedule`` command under a continuous schedule: the stream's table over ``--batches``
+    batches, its bubble against as many flushed 1F1B steps, and per stage the weight version each
+    batch uses and the weight buffers the stage keeps."""
+    name, n, m, vs = args.schedule, args.stages, args.chunks, args.vertical_sync
+    batches = STREAM_BATCHES if args.batches is None else args.batches
+    if batches < 1:
+        raise ValueError(f"--batches must be at least 1, got {batches}")
+    orders = stream_orders(name, n, m, batches, vertical_sync=vs)
+    print(f"{name}: {n} stages on {n} workers, {batches} batch{'es' if batches > 1 else ''} of {m} "
+          f"micro-batch{'es' if m > 1 else ''}"
+          + (", vertical sync" if vs else ""))
+    print(format_orders(orders))
+    _print_bubbles(orders, args.costs, {"F": 1.0, "B": 1.0, "U": 0.0})
+    stream, flushed = simulate(orders, args.costs).makespan, batches * simulate(worker_orders("1F1B", n, m),
+                                                                                args.costs).makespan
+    print(f"{batches} flushed 1F1B steps take {flushed:g} ticks{' at these costs' if args.costs else ''}: the stream "
+          f"is {flushed / stream:.3f}x as fast")
+    print(f"micro-batches in flight at most, per stage: {peak_in_flight(orders, n)}")
+    if name == "PipeMare":
+        print("weight versions (updates applied) each forward sees, a batch's micro-batches joined by commas; "
+              "every backward of batch t sees t:")
+    else:
+        print(f"weight versions (updates applied) each batch's forwards and backwards use, batches 0 to {batches - 1}:")
+    for j in range(n):
+        buffers = weight_buffers(name, n, j, m, vertical_sync=vs)
+        print(f"  stage {j}: {' '.join(_versions(name, t, j, n, m, vs) for t in range(batches))} "
+              f"({buffers} weight buffer{'s' if buffers > 1 else ''})")
+    if name == "PipeDream-2BW" and m < n - 1:
+        print(f"with chunks < stages - 1, a first forward waits for its version (batch t needs U(t - 2)) on stages "
+              f"{', '.join(str(j) for j in range(n) if n - 1 - j > m)}: use chunks >= {n - 1} to stream at full speed")
+
+
+def _versions(name: str, t: int, j: int, n: int, m: int, vertical_sync: bool) -> str:
+    """Batch t's weight version on stage j; under PipeMare, each of its forwards', comma-joined."""
+    if name == "PipeMare":
+        return ",".join(str(pipemare_forward_version(t, i, j, n, m)) for i in range(m))
+    return str(weight_version(name, t, j, n, m, vertical_sync=vertical_sync))
 
 
 def parser() -> argparse.ArgumentParser:

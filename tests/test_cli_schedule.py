@@ -1,6 +1,7 @@
 """``python -m rrefpipe timeline --schedule``: the steps drawn are ``pipe.train_step`` calls, and each worker's
 spans come in its schedule's order (``rrefpipe.schedule.worker_orders``). ``python -m rrefpipe schedule``: that
-order printed as a table, with its bubble and in-flight peaks, without processes."""
+order printed as a table, with its bubble and in-flight peaks, without processes; for a continuous schedule, the
+stream's orders (``rrefpipe.schedule.stream_orders``) with each batch's weight versions."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rrefpipe.__main__ import main, parser
-from rrefpipe.schedule import Action, format_orders, peak_in_flight, simulate, worker_orders, worker_peaks
+from rrefpipe.schedule import (Action, format_orders, peak_in_flight, simulate, stream_orders, worker_orders,
+                               worker_peaks)
 from tests.conftest import ROOT
 
 
@@ -39,6 +41,16 @@ def test_schedule_is_read_in_any_case_and_defaults_to_the_pipe_x_path():
     assert parser().parse_args(["timeline", "--schedule", "interleaved1f1b"]).schedule == "Interleaved1F1B"
     args = parser().parse_args(["timeline"])
     assert args.schedule is None and args.stages_per_worker == 1
+
+
+def test_the_timeline_refuses_a_continuous_schedule_and_says_where_its_stream_is(capsys):
+    """One train_step of PipeDream is 1F1B: a timeline of it under that name would mislead."""
+    with pytest.raises(SystemExit):
+        parser().parse_args(["timeline", "--schedule", "pipedream-2bw"])
+    err = capsys.readouterr().err
+    assert "schedule must be one of GPipe, 1F1B, Interleaved1F1B" in err
+    assert "PipeDream-2BW is a continuous schedule, whose stream `python -m rrefpipe schedule --schedule " \
+           "PipeDream-2BW` prints" in err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -139,7 +151,7 @@ def test_schedule_command_says_what_to_change(capsys, flags, message):
     assert exit_.value.code == 2 and err.startswith("python -m rrefpipe schedule: ") and message in err
 
 
-@pytest.mark.parametrize("costs", ["X=2", "F=0", "F"])
+@pytest.mark.parametrize("costs", ["X=2", "F=0", "F", "U=-1"])
 def test_schedule_command_refuses_costs_it_cannot_use(capsys, costs):
     with pytest.raises(SystemExit):
         main(["schedule", "--costs", costs])
@@ -149,6 +161,61 @@ def test_schedule_command_refuses_costs_it_cannot_use(capsys, costs):
 def test_schedule_command_help_explains_every_flag_with_its_default():
     schedule = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["schedule"]
     options = [a for a in schedule._actions if a.option_strings and a.dest != "help"]
-    assert [a.dest for a in options] == ["schedule", "stages", "chunks", "stages_per_worker", "costs"]
+    assert [a.dest for a in options] == ["schedule", "stages", "chunks", "stages_per_worker", "costs", "batches",
+                                         "vertical_sync"]
     assert all(a.help and "default" in a.help for a in options)
     assert "ZBVZeroBubble --stages 4 --stages-per-worker 2 --chunks 8" in schedule.epilog
+    assert "PipeDream-2BW --stages 3 --chunks 2 --batches 4" in schedule.epilog
+
+
+# python -m rrefpipe schedule under a continuous schedule: the stream, the versions, the buffers
+
+def test_schedule_command_prints_a_2bw_stream_with_its_versions_and_buffers(capsys):
+    out = _schedule(capsys, "--schedule", "pipedream-2bw", "--stages", "3", "--chunks", "2", "--batches", "4")
+    orders = stream_orders("PipeDream-2BW", 3, 2, 4)
+    lines = out.splitlines()
+    assert lines[0] == "PipeDream-2BW: 3 stages on 3 workers, 4 batches of 2 micro-batches"
+    assert "\n".join(lines[1:5]) == format_orders(orders)
+    assert lines[2].split()[2:10] == ["F0.0", "F0.1", "F1.0", ".", ".", "B0.0", "F1.1", "B0.1+U0"]
+    assert lines[5:] == [
+        "at unit costs: 20 ticks, bubble 20.0%",  # 16 ticks of work per worker, 2 (n - 1) to fill and drain
+        "4 flushed 1F1B steps take 32 ticks: the stream is 1.600x as fast",  # 4 x 2 (m + n - 1)
+        "micro-batches in flight at most, per stage: [3, 2, 1]",
+        "weight versions (updates applied) each batch's forwards and backwards use, batches 0 to 3:",
+        "  stage 0: 0 0 1 2 (2 weight buffers)",
+        "  stage 1: 0 0 1 2 (2 weight buffers)",
+        "  stage 2: 0 0 1 2 (2 weight buffers)"]
+
+
+def test_schedule_command_prints_pipedream_pipemare_and_2bw_waiting_for_versions(capsys):
+    out = _schedule(capsys, "--schedule", "PipeDream", "--stages", "4", "--chunks", "1", "--batches", "6",
+                    "--costs", "F=1,B=2")
+    assert "at costs F=1, B=2, U=0: 27 ticks" in out and "take 72 ticks at these costs" in out
+    assert "  stage 0: 0 0 0 0 1 2 (4 weight buffers)\n  stage 1: 0 0 0 1 2 3 (3 weight buffers)" in out
+    assert "  stage 3: 0 1 2 3 4 5 (1 weight buffer)" in out
+    synced = _schedule(capsys, "--schedule", "PipeDream", "--stages", "4", "--chunks", "1", "--vertical-sync")
+    assert synced.startswith("PipeDream: 4 stages on 4 workers, 4 batches of 1 micro-batch, vertical sync")
+    assert "  stage 3: 0 0 0 0 (4 weight buffers)" in synced
+    mare = _schedule(capsys, "--schedule", "PipeMare", "--stages", "3", "--chunks", "4", "--batches", "3")
+    assert "every backward of batch t sees t:\n  stage 0: 0,0,0,0 0,0,1,1 1,1,2,2 (1 weight buffer)" in mare
+    slow = _schedule(capsys, "--schedule", "PipeDream-2BW", "--stages", "4", "--chunks", "1")
+    assert slow.rstrip().endswith("a first forward waits for its version (batch t needs U(t - 2)) on stages 0, 1: "
+                                  "use chunks >= 3 to stream at full speed")
+    assert "waits for its version" not in _schedule(capsys, "--schedule", "PipeDream-2BW", "--stages", "4",
+                                                    "--chunks", "3")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--schedule", "1F1B", "--batches", "4"], "--batches and --vertical-sync are for the continuous schedules "
+                                               "(PipeDream, PipeDream-2BW, PipeMare): 1F1B drains the pipeline"),
+    (["--schedule", "GPipe", "--vertical-sync"], "--batches and --vertical-sync are for the continuous schedules"),
+    (["--schedule", "PipeMare", "--vertical-sync"], "vertical_sync=True goes with schedule='PipeDream' only"),
+    (["--schedule", "PipeDream", "--stages", "4", "--stages-per-worker", "2"],
+     "PipeDream runs exactly one stage per worker"),
+    (["--schedule", "PipeDream", "--batches", "0"], "--batches must be at least 1, got 0"),
+])
+def test_schedule_command_says_what_a_stream_needs(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["schedule", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("python -m rrefpipe schedule: ") and message in err
