@@ -135,6 +135,7 @@ class RemoteDriver:
         self._warned_no_context = False
         self._warned_no_gradient_output = False
         self._closed = False
+        self.streaming = False  # a stream (``Pipe.stream``, ``Pipe.train_stream``) owns the stages until it ends
         self.infos: list[StageInfo] = []
         self.tied: list[dict[int, str]] = []  # per tied parameter: the name of its copy on each stage holding one
         self._tied_totals: dict[int, dict[int, Tensor]] = {}  # by context: the sums last written, by tied parameter
@@ -255,6 +256,9 @@ class RemoteDriver:
     def _check_open(self) -> None:
         if self._closed:  # its stages are gone: a state dict would come back empty, a forward fail obscurely
             raise RuntimeError("this Pipe is closed: its stages were dropped from their workers; build a new Pipe")
+        if self.streaming:
+            raise RuntimeError("a stream of this Pipe is running (pipe.stream or pipe.train_stream): it owns the "
+                               "stages until it ends; finish or leave its loop (or call its close()) first")
 
     def _call_all(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(pipe_id, j, *args)`` on every stage j, sent to all at once (a round trip each would add up

@@ -5,7 +5,7 @@ import contextlib
 import numbers
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -148,6 +148,7 @@ class Pipe(nn.Module):
         schedule: str = "GPipe",
         stages_per_worker: int = 1,
         split_points: Sequence[str] | None = None,
+        vertical_sync: bool = False,
     ) -> None:
         super().__init__()
         self._captured: CapturedPipeModel | None = None
@@ -159,7 +160,7 @@ class Pipe(nn.Module):
         assert isinstance(module, nn.Sequential)  # (verify_module raised otherwise; for mypy)
         verify_skippables(module)
         self._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
-                        schedule, stages_per_worker)
+                        schedule, stages_per_worker, vertical_sync)
         if len(module) == 0:  # PyTorch's Pipe accepted it: forward returns the input
             self._build_empty()
             return
@@ -255,6 +256,7 @@ class Pipe(nn.Module):
         call_style: str = "auto",
         schedule: str = "GPipe",
         stages_per_worker: int = 1,
+        vertical_sync: bool = False,
     ) -> Pipe:
         """Build each stage's layers *on its worker* by calling ``factories[j]()`` there.
 
@@ -276,7 +278,7 @@ class Pipe(nn.Module):
         nn.Module.__init__(pipe)
         pipe._captured = None
         pipe._configure(chunks, checkpoint, remote_output, rpc_timeout, microbatches_per_message, call_style,
-                        schedule, stages_per_worker)
+                        schedule, stages_per_worker, vertical_sync)
         stage_devices = placement.stage_devices(devices, len(factories)) or [torch.device("cpu")] * len(factories)
         seed = driver_seed()
         specs = [placement.stage_spec(j, None, f, stage_devices, seed) for j, f in enumerate(factories)]
@@ -287,9 +289,17 @@ class Pipe(nn.Module):
         return pipe
 
     def _configure(self, chunks: int, checkpoint: str, remote_output: bool, rpc_timeout: float,
-                   microbatches_per_message: int, call_style: str, schedule: str, stages_per_worker: int) -> None:
+                   microbatches_per_message: int, call_style: str, schedule: str, stages_per_worker: int,
+                   vertical_sync: bool = False) -> None:
         self.chunks = check_chunks(chunks)
         self.schedule = parse_schedule(schedule)
+        if vertical_sync and self.schedule != "PipeDream":
+            raise ValueError(f"vertical_sync=True is PipeDream's option (every stage uses the same weight version), "
+                             f"not {self.schedule}'s")
+        if self.schedule == "PipeMare" and checkpoint != "never":
+            raise ValueError(f"PipeMare with checkpoint={checkpoint!r}: a recomputation in backward would run on the "
+                             "weights current then, not on those the forward used; pass checkpoint='never'")
+        self.vertical_sync = bool(vertical_sync)
         self.stages_per_worker = check_chunks(stages_per_worker, "stages_per_worker")
         self._warned_schedule = False
         self._averaging = True  # False inside no_sync()
@@ -458,6 +468,58 @@ class Pipe(nn.Module):
         averaging = {"average": self._averaging} if isinstance(self._driver, RemoteDriver) else {}
         return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
                                        spread=self.call_style == "2.x", loss_scale=scale, **averaging)
+
+    def optimizer(self, cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Any:
+        """``cls(stage_parameters, **kwargs)`` built on every stage's worker, one per stage, and owned by
+        the pipe (closed with it): ``step(context_id)`` and ``zero_grad()`` as ``DistributedOptimizer``'s,
+        ``param_groups``, ``state_dict()`` with the model's parameter names, and LR schedules through
+        :class:`rrefpipe.optim.RemoteLRScheduler`. :meth:`train_stream` needs it under an asynchronous
+        schedule, whose stages step it inside the pipeline; see :class:`~rrefpipe.pipe_optimizer.PipeOptimizer`."""
+        from . import pipe_optimizer  # TEMP lazy until it lands
+        return pipe_optimizer.build(self, cls, **kwargs)
+
+    def train_stream(self, batches: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor], optimizer: Any, *,
+                     lr_scheduler: Any = None) -> Iterator[Tensor]:
+        """Train on every ``(input, target)`` pair of ``batches``; yields each batch's loss (detached, the
+        row-weighted mean of its micro-batch losses, as :meth:`train_step` returns it), in order.
+
+        Under a synchronous schedule (GPipe, 1F1B, ...) this is exactly the loop of ``train_step``,
+        ``optimizer.step(context_id)`` and ``lr_scheduler.step()`` per batch (``optimizer``: a
+        :meth:`optimizer` or a ``DistributedOptimizer``). Under ``'PipeDream'``, ``'PipeDream-2BW'`` or
+        ``'PipeMare'`` the pipeline never drains: batch t + 1 enters before batch t has finished its
+        backward, and each stage updates its weights (with ``optimizer``, which must be this pipe's
+        :meth:`optimizer`, and its ``lr_scheduler`` if given) as soon as its own backward of a batch is
+        done; which weights each batch uses is the schedule's rule (the guide's "Asynchronous pipelines
+        and streaming"). ``batches`` is pulled lazily, at most ``ceil((stages - 1) / chunks) + 2`` batches
+        ahead of the losses yielded. When it ends, or the loop is left (``break``), every batch fed is
+        finished and applied before the generator returns or closes.
+
+        Raises:
+            StageError: a stage or ``loss_fn`` failed (names the stage, worker, batch and micro-batch);
+                ``WorkerError`` for a dead or hung worker. The stream ends; the pipe stays usable.
+            TypeError, ValueError: an item that is not a pair of CPU tensors (names its position; what
+                was fed before it is finished first), an optimizer that is not the pipe's under an
+                asynchronous schedule, a pipe in one process under one.
+        """
+        from . import streaming  # TEMP lazy
+        return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler)
+
+    def stream(self, inputs: Iterable[Any], *, in_flight: int | None = None) -> Iterator[Any]:
+        """Forward every input of ``inputs`` (each as ``pipe(x)`` takes it, split into ``chunks``
+        micro-batches) and yield the outputs on this process, in input order, while batch t + 1 enters
+        before batch t has left. Call it under ``torch.no_grad()`` or in eval mode.
+
+        At most ``in_flight`` inputs (default ``ceil((stages - 1) / chunks) + 2``) are in the pipeline at
+        once, which bounds the memory; ``inputs`` is pulled lazily. While the stream runs it owns the
+        pipe: ``pipe(x)``, ``train_step`` and control calls raise until its loop ends (or is left).
+
+        Raises:
+            RuntimeError: in training mode with gradients enabled.
+            TypeError, ValueError: an input that is not a CPU tensor or tuple of them (names its position).
+            StageError: a stage failed (names the stage, worker, input and micro-batch).
+        """
+        from . import streaming  # TEMP lazy
+        return streaming.stream(self, inputs, in_flight)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
         """``dist_autograd.backward(context_id, [loss])`` (``loss``: a tensor or a list of them), and what it

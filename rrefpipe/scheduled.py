@@ -44,7 +44,7 @@ from .microbatch import TensorOrTensors
 from .schedule import Action, is_split, worker_orders
 from .server import StageServer
 from .skip.tracker import SkipKey
-from .stage import StepMeta
+from .stage import StageOutput, StepMeta
 from .transfer import to_device
 
 __all__: list[str] = []
@@ -147,6 +147,17 @@ class _Mailbox:
                     raise TimeoutError(f"RPC ran for more than set timeout ({timeout:g} s) waiting for {what()}")
                 self.cond.wait(min(left, 1.0))
             return self.items.pop((step, key))
+
+    def first_of(self, step: int, keys: Sequence[Key]) -> Key:
+        """The first of ``keys`` that has arrived, left in the box; waits as long as it takes (a
+        continuous pipeline waiting for its caller's next batch), but wakes when the step is called off."""
+        with self.cond:
+            while True:
+                self.check(step)
+                for key in keys:
+                    if (step, key) in self.items:
+                        return key
+                self.cond.wait(1.0)
 
 
 class _Relayed(Exception):
@@ -291,7 +302,7 @@ class _StepRun:
             received[key] = skip  # type: ignore[assignment]  # (one tensor in, one out)
             if leaf is not None:
                 skip_leaves[key] = leaf
-        out = stage.run(self.meta, i, value, (), received)
+        out = self._run_stage(j, i, value, received)
         kept = _Kept(inputs, skip_leaves, list(microbatch.as_tensors(out.value)))
         for key, tensor in out.skips.items():
             target = stage.routes.outgoing[key]
@@ -303,6 +314,11 @@ class _StepRun:
         else:
             kept.loss = self._loss(i, out.value)
         self.kept[(j, i)] = kept
+
+    def _run_stage(self, j: int, i: int, value: TensorOrTensors, received: dict[SkipKey, Tensor | None]
+                   ) -> StageOutput:
+        """Stage j's forward of micro-batch ``i`` (a continuous pipeline runs it on a weight version)."""
+        return self.servers[j].stage.run(self.meta, i, value, (), received)
 
     def _loss(self, i: int, output: TensorOrTensors) -> Tensor:
         assert self.loss_fn is not None

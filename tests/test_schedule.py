@@ -65,8 +65,8 @@ def test_schedule_names_in_any_case(name):
 
 
 def test_unknown_schedule_names_the_choices():
-    with pytest.raises(ValueError, match="GPipe, 1F1B, Interleaved1F1B.*'pipedream'"):
-        parse_schedule("pipedream")
+    with pytest.raises(ValueError, match="GPipe, 1F1B, Interleaved1F1B.*'pipedream-3bw'"):
+        parse_schedule("pipedream-3bw")
     with pytest.raises(ValueError, match="must be one of"):
         worker_orders("1F1B-interleaved", 2, 4)
 

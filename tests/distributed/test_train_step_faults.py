@@ -234,8 +234,8 @@ def _lin4(chunks=4, workers=None, **kwargs):
 
 
 CONSTRUCTION = [
-    ("unknown schedule", _lin4(schedule="PipeDream"), ["schedule must be one of GPipe, 1F1B, Interleaved1F1B",
-                                                       "(any case)", "got 'PipeDream'"]),
+    ("unknown schedule", _lin4(schedule="PipeDream-3BW"), ["schedule must be one of GPipe, 1F1B, Interleaved1F1B",
+                                                           "(any case)", "got 'PipeDream-3BW'"]),
     ("stages_per_worker not dividing", _lin4(schedule="Interleaved1F1B", stages_per_worker=3),
      ["stages_per_worker=3 must be a positive divisor of the stage count 4", "divisors: [1, 2, 4]"]),
     ("stages_per_worker 0", _lin4(schedule="Interleaved1F1B", stages_per_worker=0),

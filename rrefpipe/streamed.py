@@ -1,0 +1,348 @@
+"""The stage side of a continuous pipeline (``Pipe.train_stream`` under PipeDream, PipeDream-2BW or
+PipeMare, and ``Pipe.stream``): batch t + 1 enters before batch t has left.
+
+One long-lived run per worker, on a thread of its own, follows its stage's lazily made order
+(:func:`rrefpipe.schedule.stream_order`): forwards, backwards and, under training, ``U``, the stage's
+own optimizer step with one batch's gradient, as soon as that batch's backward is done there. It is
+:mod:`rrefpipe.scheduled`'s step run with two changes:
+
+* micro-batches are numbered across batches (``g``), so the messages of batch t + 1 never meet those
+  of batch t, and the stream is one "step" of the mailbox for as long as it lasts;
+* each batch runs on the weight version its rule gives (:mod:`rrefpipe.versions`), its gradients
+  summed in leaves of its own and applied by ``U``; nothing goes through distributed autograd, whose
+  contexts end only with a backward that a stream never finishes.
+
+The driver (:mod:`rrefpipe.streaming`) announces each batch (its rows; the input to the first stage,
+the target to the last) and finally the number of batches; the last stage sends each batch's losses
+(or, forward only, its output) to the driver as soon as it has them.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.futures import Future
+
+from . import microbatch, stage_optim
+from .autocast import AutocastRegion
+from .errors import Failure
+from .loss import weights
+from .microbatch import TensorOrTensors
+from .schedule import Action, checkpoint_stop, pipemare_forward_version, stream_order, weight_version
+from . import server
+from .scheduled import StepPlan, StepReport, _mailbox, _own_storage, _StepRun
+from .skip.tracker import SkipKey
+from .stage import StageOutput, StepMeta
+from .transfer import to_device
+from .versions import StageWeights
+
+__all__: list[str] = []
+
+#: ``deliver(pipe_id, stream, t, value)`` on the driver: batch t's losses (stacked, detached) or output.
+Deliver = Callable[[str, int, int, Any], None]
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Everything every worker needs to run its part of a stream; the same for all of them."""
+
+    step: int  # the stream's number in the mailbox, from the pipe's step counter
+    schedule: str  # a continuous rule for training; any schedule when forward only
+    stages: int
+    chunks: int  # the pipe's: the version rules' m (a batch may split into fewer micro-batches)
+    checkpoint: str
+    workers: tuple[str, ...]  # per stage
+    skip_sources: dict[SkipKey, int]
+    driver: str
+    deliver: Deliver
+    timeout: float
+    forward_only: bool
+    training: bool  # the modules' mode: checkpointing only in training mode
+    vertical_sync: bool = False
+    optimizer: int | None = None  # the pipe optimizer's id on the workers (training)
+    step_schedulers: bool = False  # each stage steps its optimizer's LR schedulers after its update
+    spread: bool = False
+    autocast: tuple[AutocastRegion, ...] = ()
+
+    def as_step(self) -> StepPlan:
+        """The step plan whose fields the shared step machinery reads (messages, timeouts, skips)."""
+        return StepPlan(step=self.step, schedule="1F1B", stages=self.stages, stages_per_worker=1, chunks=self.chunks,
+                        rows=(), checkpoint_stop=0, workers=self.workers, skip_sources=self.skip_sources,
+                        driver=self.driver, timeout=self.timeout, context_id=-1, spread=self.spread,
+                        autocast=self.autocast)
+
+
+@dataclass
+class _Batch:
+    """What a stage knows about one batch: where its micro-batches start in the global numbering, its
+    rows, the meta its forwards run under, and (training) the leaves its gradients sum into per stage."""
+
+    first: int
+    rows: tuple[int, ...]
+    meta: StepMeta
+    leaves: dict[int, dict[str, Tensor]]
+    losses: list[Tensor]
+    outputs: list[TensorOrTensors]
+
+
+class _StreamRun(_StepRun):
+    """One worker's part of a stream: its stages' actions in their order, until the stream ends."""
+
+    def __init__(self, pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: Callable[..., Tensor] | None
+                 ) -> None:
+        self.stream = plan
+        step_plan = plan.as_step()
+        self.pipe_id = pipe_id
+        self.plan = step_plan
+        self.name = rpc.get_worker_info().name
+        self.box = _mailbox(pipe_id)
+        mine = [j for j, w in enumerate(plan.workers) if w == self.name]
+        self.servers = {j: server._server(pipe_id, j) for j in mine}
+        self.loss_fn = loss_fn
+        self.sent = []
+        self.kept = {}
+        self.later = {}
+        self.params = {}
+        self.losses = []
+        self.batches_in: dict[int, TensorOrTensors] = {}  # the first stage's micro-batches, by g
+        self.targets_in: dict[int, TensorOrTensors] = {}
+        self.batch: dict[int, _Batch] = {}
+        self.where: dict[int, tuple[int, int]] = {}  # g -> (t, i)
+        self.next_first = 0
+        self.announced: dict[int, int | None] = {}
+        self.weights: dict[int, float] = {}  # g -> micro-batch g's share of its batch's loss (by rows)
+        self.versions = {j: StageWeights(self.servers[j].stage.module, stash=plan.schedule != "PipeMare")
+                         for j in mine} if not plan.forward_only else {}
+        self.forwarded = -1  # the last batch whose first forward ran here
+        self.updates = 0
+        self.action: Action | None = None
+        self.batches = self.batches_in  # type: ignore[assignment]  # (the step run's name for them)
+        self.targets = self.targets_in  # type: ignore[assignment]
+        self.meta = StepMeta(step=plan.step, chunks=plan.chunks, checkpoint_stop=0, grad_enabled=not plan.forward_only,
+                             driver=plan.driver, timeout=plan.timeout)
+
+    # -- the order ---------------------------------------------------------------------------------
+    def _orders(self) -> Iterator[Action]:
+        """This worker's actions: its one stage's continuous order when training; when forward only,
+        every micro-batch through each of its stages in stage order (which cannot deadlock: a stage
+        waits only for earlier stages' forwards of micro-batches this worker already passed)."""
+        if not self.stream.forward_only:
+            (j,) = self.servers
+            yield from stream_order(self.stream.schedule, self.stream.stages, j, self._chunks_of,
+                                    chunks=self.stream.chunks, vertical_sync=self.stream.vertical_sync)
+            return
+        t = 0
+        while (m := self._chunks_of(t)) is not None:
+            for i in range(m):
+                for j in self.servers:
+                    yield Action("F", i, j, t)
+            t += 1
+
+    def _chunks_of(self, t: int) -> int | None:
+        """Batch t's micro-batch count, or None when the stream ends before it: waits for the driver to
+        say which (for as long as the caller's loop takes to pull the next batch)."""
+        if t in self.announced:
+            return self.announced[t]
+        end = None
+        while True:
+            key = self.box.first_of(self.plan.step, [("batch", t)] if end is not None else [("batch", t), ("end",)])
+            if key == ("end",):
+                (_, (end,)), _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "the end")
+                if t >= end:
+                    self.announced[t] = None
+                    return None
+                continue
+            (value, (rows, target)), _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "a batch")
+            self._announce(t, rows, value, target)
+            return len(rows)
+
+    def _announce(self, t: int, rows: tuple[int, ...], value: TensorOrTensors | None,
+                  target: TensorOrTensors | None) -> None:
+        m = len(rows)
+        first = self.next_first
+        self.next_first += m
+        training = self.stream.training and not self.stream.forward_only
+        meta = StepMeta(step=t, chunks=m, checkpoint_stop=checkpoint_stop(self.stream.checkpoint, m, enabled=training),
+                        grad_enabled=not self.stream.forward_only, driver=self.stream.driver,
+                        timeout=self.stream.timeout, spread=self.stream.spread, autocast=self.stream.autocast)
+        self.batch[t] = _Batch(first, rows, meta, {}, [], [])
+        for i in range(m):
+            self.where[first + i] = (t, i)
+        for i, share in enumerate(weights(rows)):
+            self.weights[first + i] = share
+        if value is not None:
+            srv = self.servers[0]
+            with srv.stream.running():
+                parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), value), m)
+                for i, part in enumerate(parts):
+                    self.batches_in[first + i] = microbatch.apply(_own_storage, part)
+        if target is not None:
+            srv = self.servers[self.stream.stages - 1]
+            with srv.stream.running():
+                parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), target), m)
+                for i, part in enumerate(parts):
+                    self.targets_in[first + i] = part
+        self.announced[t] = m
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> StepReport:
+        try:
+            for self.action in self._orders():
+                a = self.action
+                with self.servers[a.j].stream.running():
+                    if a.kind == "U":
+                        self._update(a.j, a.t)
+                        continue
+                    g = self.batch[a.t].first + a.i
+                    if a.kind == "F":
+                        self._forward(a.j, g)
+                    else:
+                        self._backward(a.j, g)
+                        self.where.pop(g)
+                        self.weights.pop(g)
+                if len(self.sent) > 64:  # a stream is long: keep only the sends still going
+                    self.sent = [f for f in self.sent if not f.done()]
+            self.action = None
+            for sent in self.sent:
+                sent.wait()
+            self.box.check(self.plan.step)
+        except BaseException as exc:
+            return StepReport(failure=self._failure(exc, self.action))
+        finally:
+            self.kept.clear()
+            self.batch.clear()
+            self.versions.clear()
+        return StepReport()
+
+    def _failure(self, exc: BaseException, action: Action | None) -> Failure:
+        """As a step's, with the micro-batch numbered within its batch and the batch named in the phase."""
+        local = None if action is None or action.kind == "U" else Action(action.kind, action.i, action.j)
+        failure = super()._failure(exc, local)
+        if action is not None and action.kind == "U":
+            return replace(failure, stage=action.j, phase=f"optimizer step after batch {action.t}")
+        if action is not None and not failure.cancelled:
+            return replace(failure, phase=f"{failure.phase} of batch {action.t}")
+        return failure
+
+    def _run_stage(self, j: int, g: int, value: TensorOrTensors, received: dict[SkipKey, Tensor | None]
+                   ) -> StageOutput:
+        t, i = self.where[g]
+        batch = self.batch[t]
+        params = None
+        if not self.stream.forward_only:
+            if i == 0:
+                batch.leaves[j] = self._leaves(j, t)
+            params = batch.leaves[j]
+        return self.servers[j].stage.run(batch.meta, i, value, (), received, params=params)
+
+    def _leaves(self, j: int, t: int) -> dict[str, Tensor]:
+        """The leaves batch t runs on at stage j: the version its rule gives (PipeMare: the live weights,
+        which later updates change in place)."""
+        versions = self.versions[j]
+        s = self.stream
+        if s.schedule == "PipeMare":
+            return versions.leaves(versions.updates)
+        version = weight_version(s.schedule, t, j, s.stages, s.chunks, vertical_sync=s.vertical_sync)
+        versions.forget_below(version)  # versions are monotone in t: older ones serve no later batch
+        self.forwarded = t
+        return versions.leaves(version)
+
+    def _loss(self, g: int, output: TensorOrTensors) -> Tensor:
+        t, i = self.where[g]
+        batch = self.batch[t]
+        if self.stream.forward_only:
+            batch.outputs.append(output)
+            if len(batch.outputs) == len(batch.rows):
+                self._deliver(t, microbatch.gather(batch.outputs))
+            return None  # type: ignore[return-value]  # (nothing to backpropagate)
+        loss = super()._loss(g, output)
+        self.targets_in.pop(g)
+        batch.losses.append(self.losses.pop())
+        if len(batch.losses) == len(batch.rows):
+            self._deliver(t, torch.stack(batch.losses).cpu())
+        return loss
+
+    def _forward(self, j: int, g: int) -> None:
+        super()._forward(j, g)
+        self.batches_in.pop(g, None)
+        if self.stream.forward_only and j == max(self.servers):  # nothing to keep for a backward
+            for stage in self.servers:
+                self.kept.pop((stage, g), None)
+            t, i = self.where.pop(g)
+            self.weights.pop(g)
+            if i == len(self.batch[t].rows) - 1:
+                del self.batch[t]
+
+    def _update(self, j: int, t: int) -> None:
+        """U(t): stage j applies batch t's gradient (summed in its leaves) with its own optimizer."""
+        batch = self.batch.pop(t)
+        leaves = batch.leaves.pop(j)
+        s = self.stream
+        assert s.optimizer is not None
+        optimizer = stage_optim.optimizer(self.pipe_id, s.optimizer, j)
+        versions = self.versions[j]
+        keep = s.schedule != "PipeMare" and weight_version(
+            s.schedule, self.forwarded + 1, j, s.stages, s.chunks, vertical_sync=s.vertical_sync) <= versions.updates
+
+        def step() -> None:
+            with stage_optim.lock(self.pipe_id, s.optimizer):
+                optimizer.step()
+                if s.step_schedulers:
+                    for scheduler in stage_optim.schedulers(self.pipe_id, s.optimizer, j):
+                        scheduler.step()
+
+        versions.update(leaves, step, keep=keep)
+
+    def _deliver(self, t: int, value: Any) -> None:
+        """Batch t's losses or output to the driver, as soon as the last stage has them all."""
+        future = rpc.rpc_async(self.stream.driver, self.stream.deliver, args=(self.pipe_id, self.plan.step, t, value),
+                               timeout=self.plan.timeout)
+        step, box, stage, worker = self.plan.step, self.box, self.stream.stages - 1, self.stream.driver
+
+        def check(done: Future[Any]) -> None:
+            try:
+                done.wait()
+            except Exception as exc:
+                box.abort(step, Failure.capture(exc, stage=stage, worker=worker, microbatch=None, transport=True,
+                                                phase=f"sending batch {t}'s result to the driver"))
+
+        future.add_done_callback(check)
+        self.sent.append(future)
+
+
+# -- RPC entry points (run on the stage's worker) ----------------------------------------------------
+def feed(pipe_id: str, step: int, t: int, rows: tuple[int, ...], value: TensorOrTensors | None,
+         target: TensorOrTensors | None) -> None:
+    """Batch t of stream ``step``: its rows for every worker, the input for the first stage's, the target
+    for the last stage's; filed for the stream's thread, never waits."""
+    _mailbox(pipe_id).put(step, ("batch", t), (value, (rows, target)))  # type: ignore[arg-type]
+
+
+def end(pipe_id: str, step: int, batches: int) -> None:
+    """Stream ``step`` has ``batches`` batches in all: the workers finish those and stop."""
+    _mailbox(pipe_id).put(step, ("end",), (None, (batches,)))  # type: ignore[arg-type]
+
+
+@rpc.functions.async_execution
+def run_stream(pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: bytes | None) -> Future[StepReport]:
+    """Run this worker's part of a stream on a thread of its own; resolves to its report when it ends."""
+    done: Future[StepReport] = Future()
+
+    def work() -> None:
+        try:
+            fn = None if loss_fn is None else cloudpickle.loads(loss_fn)
+            report = _StreamRun(pipe_id, worker_index, plan, fn).run()
+        except BaseException as exc:  # the stage is gone, or the loss function does not unpickle here
+            name = rpc.get_worker_info().name
+            j = next((j for j in range(plan.stages) if plan.workers[j] == name), 0)
+            report = StepReport(failure=Failure.capture(exc, stage=j, worker=name, microbatch=None, phase="stream"))
+        done.set_result(report)
+
+    threading.Thread(target=work, name=f"rrefpipe-stream-{plan.step}", daemon=True).start()
+    return done

@@ -1,0 +1,334 @@
+"""The driver side of a continuous pipeline (``Pipe.train_stream`` under an asynchronous rule, and
+``Pipe.stream``): feed batches ahead, yield each batch's result in order, stop cleanly.
+
+One message to each worker starts its long-lived run (:mod:`rrefpipe.streamed`); then each batch is
+announced to every worker (the input to the first stage's, the target to the last stage's) as the
+caller's iterable gives it, at most ``in_flight`` batches ahead of the results yielded, and the last
+stage sends each batch's losses or output back here (:func:`deliver`). When the iterable ends (or
+the caller leaves the loop) every worker is told how many batches there were; it finishes those and
+its run ends, so that the weights are those after every fed batch's update.
+
+A failure anywhere calls the stream off on every worker, as a failed step is (:mod:`rrefpipe.training`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.futures import Future
+
+from . import _rpc, autocast, microbatch, replicas, scheduled, streamed
+from .captured import StructuredLoss
+from .driver import _pickled_loss, _send_copy
+from .local import LocalDriver
+from .diagnosis import first_cause
+from .errors import Failure, StageError
+from .loss import mean_loss, split_target
+from .microbatch import TensorOrTensors
+from .schedule import is_async
+from .scheduled import StepReport
+from .streamed import StreamPlan
+from .training import _explained
+
+__all__: list[str] = []
+
+_DRAIN_WAIT = 5.0  # seconds the workers get to end a stream called off, before the error is raised
+
+
+@dataclass
+class _Inbox:
+    """Results of one stream, filled in by :func:`deliver` and by the workers' reports."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    reports: dict[int, StepReport] = field(default_factory=dict)  # by worker index, when its run ends
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def failures(self) -> list[Failure]:
+        return [r.failure for r in self.reports.values() if r.failure is not None]
+
+
+_inboxes: dict[tuple[str, int], _Inbox] = {}
+
+
+def deliver(pipe_id: str, step: int, t: int, value: Any) -> None:
+    """Called (over RPC, by the last stage) with batch t's losses or output."""
+    inbox = _inboxes.get((pipe_id, step))
+    if inbox is not None:
+        with inbox.cond:
+            inbox.results[t] = value
+            inbox.cond.notify_all()
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """What a caller asks of a stream: training (a loss function and the pipe optimizer's id) or
+    forward only, and how many batches may be fed ahead of the results."""
+
+    in_flight: int
+    loss_fn: bytes | None = None  # None: forward only
+    optimizer: int | None = None
+    step_schedulers: bool = False
+    vertical_sync: bool = False
+
+
+def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training: bool, spread: bool,
+        prepare: Any) -> Iterator[Any]:
+    """Stream ``batches`` through ``driver``'s stages; yields each batch's mean loss (training) or
+    output, in order. ``prepare(item, t)`` turns an item of ``batches`` into ``(input, target)``
+    (target None when forward only), raising an error that names position ``t``."""
+    driver._check_open()
+    n = len(driver.infos)
+    workers = list(driver.workers)
+    forward_only = request.loss_fn is None
+    with driver._lock:
+        step = next(driver._steps)
+    plan = StreamPlan(
+        step=step, schedule=driver.schedule, stages=n, chunks=driver.chunks, checkpoint=driver.checkpoint,
+        workers=tuple(workers), skip_sources={key: j for j, info in enumerate(driver.infos) for key in info.stashes},
+        driver=_rpc.self_name(), deliver=deliver, timeout=driver.rpc_timeout, forward_only=forward_only,
+        training=training, vertical_sync=request.vertical_sync, optimizer=request.optimizer,
+        step_schedulers=request.step_schedulers, spread=spread, autocast=autocast.capture())
+    inbox = _inboxes[(driver.pipe_id, step)] = _Inbox()
+    driver.streaming = True
+    first, last = workers[0], workers[n - 1]
+    distinct = list(dict.fromkeys(workers))
+    fed = yielded = 0
+    rows_of: dict[int, tuple[int, ...]] = {}
+    ended = False
+    try:
+        _start(driver.pipe_id, distinct, plan, request, last, inbox)
+        source = iter(batches)
+        while True:
+            while not ended and fed - yielded < request.in_flight and not inbox.failures():
+                try:
+                    item = next(source)
+                except StopIteration:
+                    ended = True
+                    break
+                try:
+                    value, target = prepare(item, fed)
+                    rows = _rows(value, target, driver.chunks, fed, forward_only)
+                except BaseException:
+                    ended = True
+                    _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
+                    _drain(inbox, distinct, driver.rpc_timeout)
+                    raise
+                rows_of[fed] = rows
+                value = microbatch.apply(_send_copy, value)
+                target = None if target is None else microbatch.apply(_send_copy, target)
+                for worker in distinct:
+                    rpc.rpc_async(worker, streamed.feed, timeout=driver.rpc_timeout, args=(
+                        driver.pipe_id, step, fed, rows, value if worker == first else None,
+                        target if worker == last else None))
+                fed += 1
+            if ended and yielded == fed:
+                break
+            result = _next_result(inbox, yielded, driver.rpc_timeout, distinct)
+            if result is None:  # a worker failed
+                break
+            yield result if forward_only else mean_loss(result, rows_of.pop(yielded))
+            yielded += 1
+        if not inbox.failures():
+            _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
+            _drain(inbox, distinct, None)
+        _raise_failure(driver, inbox, step, distinct)
+    except GeneratorExit:  # the caller left the loop: what was fed still updates the weights
+        _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
+        _drain(inbox, distinct, driver.rpc_timeout)
+        raise
+    finally:
+        _inboxes.pop((driver.pipe_id, step), None)
+        driver.streaming = False
+
+
+def _start(pipe_id: str, workers: list[str], plan: StreamPlan, request: StreamRequest, last: str,
+           inbox: _Inbox) -> None:
+    """Each worker's run; its report lands in the inbox when the run ends (no timeout: a stream lasts as
+    long as its caller feeds it; a dead worker still ends the call)."""
+    for w, worker in enumerate(workers):
+        def record(done: Future[StepReport], w: int = w, worker: str = worker) -> None:
+            try:
+                report = done.wait()
+            except Exception as exc:
+                report = StepReport(failure=Failure.capture(exc, stage=plan.workers.index(worker), worker=worker,
+                                                            microbatch=None, phase="stream", transport=True))
+            with inbox.cond:
+                inbox.reports[w] = report
+                inbox.cond.notify_all()
+
+        loss_fn = request.loss_fn if worker == last else None
+        rpc.rpc_async(worker, streamed.run_stream, args=(pipe_id, w, plan, loss_fn), timeout=0).add_done_callback(record)
+
+
+def _rows(value: TensorOrTensors, target: TensorOrTensors | None, chunks: int, t: int,
+          forward_only: bool) -> tuple[int, ...]:
+    if forward_only:
+        return tuple(microbatch.as_tensors(b)[0].size(0) for b in microbatch.scatter(value, chunks))
+    assert target is not None
+    return split_target(value, target, chunks)
+
+
+def _next_result(inbox: _Inbox, t: int, timeout: float, workers: list[str]) -> Any:
+    """Batch t's result, or None once a worker's run has failed. Waits at most ``timeout`` seconds
+    without news from the stream."""
+    deadline = time.monotonic() + timeout
+    with inbox.cond:
+        while t not in inbox.results:
+            if inbox.failures() or len(inbox.reports) == len(workers):
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"RPC ran for more than set timeout ({timeout:g} s) waiting for batch {t}'s result "
+                                   "from the last stage")
+            inbox.cond.wait(min(left, 1.0))
+        return inbox.results.pop(t)
+
+
+def _end(pipe_id: str, workers: list[str], step: int, batches: int, timeout: float) -> None:
+    for worker in workers:
+        try:
+            rpc.rpc_async(worker, streamed.end, args=(pipe_id, step, batches), timeout=timeout)
+        except Exception:
+            pass  # a worker known to be gone: its run's report says so
+
+
+def _drain(inbox: _Inbox, workers: list[str], timeout: float | None) -> None:
+    """Wait until every worker's run has ended (``timeout``: at most that long)."""
+    with inbox.cond:
+        inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers) or bool(inbox.failures()), timeout=timeout)
+
+
+def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) -> None:
+    """If a worker's run failed: call the others off, wait for them briefly, raise the first cause."""
+    if not inbox.failures():
+        return
+    for worker in workers:
+        try:
+            rpc.rpc_async(worker, scheduled.abort, args=(driver.pipe_id, step), timeout=_DRAIN_WAIT)
+        except Exception:
+            pass
+    with inbox.cond:
+        inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers), timeout=_DRAIN_WAIT)
+        failures = inbox.failures()
+    cause: StageError = first_cause(failures)
+    raise _explained(cause, driver.workers)
+
+
+
+def default_in_flight(stages: int, chunks: int) -> int:
+    """Batches fed ahead of the results yielded: when the first stage finishes batch t's forwards it
+    needs batch t + 1, and by then the results up to t - ceil((n - 1) / m) can be back; one more
+    covers the round trip."""
+    return -(-(stages - 1) // chunks) + 2
+
+
+def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any = None
+                 ) -> Iterator[Tensor]:
+    """``Pipe.train_stream``: a loop of train steps under a synchronous schedule, a continuous pipeline
+    under an asynchronous one."""
+    from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
+
+    if not is_async(pipe.schedule):
+        return _train_loop(pipe, batches, loss_fn, optimizer, lr_scheduler)
+    if not isinstance(optimizer, PipeOptimizer):
+        raise TypeError(f"train_stream under {pipe.schedule} steps the stages' optimizers inside the pipeline: pass "
+                        f"the pipe's own, pipe.optimizer(torch.optim.SGD, lr=...), not a {type(optimizer).__name__}")
+    driver = _remote(pipe, f"train_stream under {pipe.schedule}")
+    if replicas.current() is not None:
+        raise ValueError(f"{pipe.schedule} with replicas is not supported: each replica would update its weights on "
+                         "its own; train replicas with a synchronous schedule")
+    if driver.tied:
+        raise ValueError(f"{pipe.schedule}: this captured model has parameters tied across stages, whose copies would "
+                         "be updated apart by each stage's own optimizer; train it with a synchronous schedule")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("train_stream under torch.no_grad(): training needs gradients; for inference use "
+                           "pipe.stream(inputs)")
+    if pipe._captured is not None and not pipe._captured.outputs.plain:
+        loss_fn = StructuredLoss(loss_fn, pipe._captured.outputs)
+    request = StreamRequest(in_flight=default_in_flight(len(driver.infos), driver.chunks),
+                            loss_fn=_pickled_loss(loss_fn), optimizer=optimizer.id,
+                            step_schedulers=lr_scheduler is not None, vertical_sync=pipe.vertical_sync)
+    return run(driver, batches, request, training=pipe.training, spread=pipe.call_style == "2.x",
+               prepare=lambda item, t: _pair(pipe, item, t))
+
+
+def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any
+                ) -> Iterator[Tensor]:
+    """Under a synchronous schedule: ``train_step`` and ``optimizer.step`` per batch, exactly."""
+    for t, item in enumerate(batches):
+        value, target = _pair(pipe, item, t, captured=False)
+        with dist_autograd.context() as context_id:
+            loss = pipe.train_step(context_id, value, target, loss_fn)
+            optimizer.step(context_id)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        yield loss
+
+
+def stream(pipe: Any, inputs: Iterable[Any], in_flight: int | None) -> Iterator[Any]:
+    """``Pipe.stream``: forward only, batch t + 1 entering before batch t has left."""
+    if pipe.training and torch.is_grad_enabled():
+        raise RuntimeError("pipe.stream runs forwards only: call it under torch.no_grad() or after pipe.eval() "
+                           "(to train on a stream of batches, use pipe.train_stream)")
+    if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1):
+        raise ValueError(f"in_flight must be a positive number of batches, got {in_flight!r}")
+    if isinstance(pipe._driver, LocalDriver) or not pipe._driver.infos:  # one process: nothing to overlap
+        return (pipe(item).local_value() for item in inputs)  # type: ignore[union-attr]
+    driver = pipe._driver
+    request = StreamRequest(in_flight=in_flight or default_in_flight(len(driver.infos), driver.chunks))
+    results = run(driver, inputs, request, training=pipe.training, spread=pipe.call_style == "2.x",
+                  prepare=lambda item, t: (_input(pipe, item, t), None))
+    if pipe._captured is None or pipe._captured.outputs.plain:
+        return results
+    return (pipe._captured.outputs.rebuild(out) for out in results)
+
+
+def _remote(pipe: Any, what: str) -> Any:
+    if isinstance(pipe._driver, LocalDriver):
+        raise ValueError(f"{what} needs stage workers: this pipe runs in one process (an RPC group of one), where "
+                         "there is no pipeline to keep busy; use a synchronous schedule")
+    return pipe._driver
+
+
+def _input(pipe: Any, item: Any, t: int) -> TensorOrTensors:
+    """Item t of a stream as the pipe's stages take it, or an error naming the position."""
+    try:
+        if pipe._captured is not None:
+            item = pipe._captured.inputs(item if isinstance(item, tuple) else (item,))
+        value, _ = microbatch.call_inputs((item,))
+        microbatch.check(value, "the input")
+        _check_cpu(value)
+        return value
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"item {t} of the stream: {exc}") from exc
+
+
+def _pair(pipe: Any, item: Any, t: int, captured: bool = True) -> tuple[Any, Any]:
+    """Item t of a training stream as ``(input, target)``, or an error naming the position."""
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise TypeError(f"item {t} of the stream: expected a pair (input, target), got {type(item).__name__}")
+    value, target = item
+    if not captured:  # train_step checks and converts it
+        return value, target
+    value = _input(pipe, value, t)
+    try:
+        _check_cpu(target)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"item {t} of the stream (its target): {exc}") from exc
+    return value, target
+
+
+def _check_cpu(value: Any) -> None:
+    for tensor in microbatch.as_tensors(value):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"got a tensor on {tensor.device}; stage workers receive batches from this process's "
+                             "CPU memory: pass CPU tensors (the stages move them)")

@@ -1,0 +1,186 @@
+"""``pipe.train_stream`` under PipeDream, PipeDream-2BW and PipeMare follows each rule exactly, and
+``pipe.stream`` is the model, input by input.
+
+The reference is a single-process simulation written here from the rules as the issue states them
+(not from the runtime): every weight version W(u) is snapshotted, and each micro-batch runs the whole
+model through ``functional_call`` on a dict that takes each stage's parameters from the version the
+rule gives that stage; PipeMare's backward reads the weights current when it runs (the leaves'
+storage is overwritten between forward and backward, as the optimizer's in-place step does on the
+worker). Losses and parameters after 6 batches must agree, and the same simulation with one stage's
+version shifted by one must not (so a stage on the wrong version fails the test)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from rrefpipe import Pipe
+from rrefpipe.schedule import pipemare_forward_version, weight_version
+from tests.layers import PopAdd, StashInput, mlp, twin
+
+pytestmark = pytest.mark.timeout(120)
+
+Version = Callable[[int, int, int], int]  # (batch t, micro-batch i, stage j) -> updates applied
+
+
+def batches(count: int, rows: int, seed: int = 0, last_rows: int | None = None) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [rows] * (count - 1) + [last_rows or rows]
+    return [(torch.randn(r, 5, generator=g), torch.randint(0, 3, (r,), generator=g)) for r in sizes]
+
+
+def stage_names(model: nn.Module, balance: Sequence[int]) -> list[list[str]]:
+    """The parameter names of each stage of an ``nn.Sequential`` split by ``balance``."""
+    bounds, start = [], 0
+    for size in balance:
+        bounds.append(range(start, start + size))
+        start += size
+    return [[name for name, _ in model.named_parameters() if int(name.split(".")[0]) in layers] for layers in bounds]
+
+
+def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tensor, Tensor]], make_opt: Any,
+             chunks: int, forward: Version, backward: Version | None = None) -> tuple[list[float], dict[str, Tensor]]:
+    """The rule in one process: micro-batch (t, i) runs stage j's parameters at version ``forward(t, i, j)``
+    and, if ``backward`` is given, backpropagates through the weights of version ``backward(t, i, j)``
+    (PipeMare); every stage then steps its own optimizer with batch t's row-weighted mean gradient."""
+    stage_of = {k: j for j, stage in enumerate(names) for k in stage}
+    history = [{k: p.detach().clone() for k, p in model.named_parameters()}]  # history[u] = W(u)
+    live = {k: nn.Parameter(v.clone()) for k, v in history[0].items()}
+    optimizers = [make_opt([live[k] for k in stage]) for stage in names]
+    losses = []
+    for t, (x, y) in enumerate(data):
+        xs, ys = x.chunk(chunks), y.chunk(chunks)
+        grads: dict[str, Tensor] = {}
+        loss_t = 0.0
+        for i, (xi, yi) in enumerate(zip(xs, ys)):
+            share = len(xi) / len(x)
+            leaves = {k: history[forward(t, i, stage_of[k])][k].clone().requires_grad_() for k in live}
+            loss = F.cross_entropy(functional_call(model, leaves, (xi,)), yi)
+            if backward is not None:
+                for k, leaf in leaves.items():
+                    leaf.data.copy_(history[backward(t, i, stage_of[k])][k])
+            (loss * share).backward()
+            loss_t += share * loss.item()
+            for k, leaf in leaves.items():
+                if leaf.grad is not None:
+                    grads[k] = grads[k] + leaf.grad if k in grads else leaf.grad
+        for optimizer, stage in zip(optimizers, names):
+            for k in stage:
+                live[k].grad = grads.get(k)
+            optimizer.step()
+            optimizer.zero_grad()
+        history.append({k: p.detach().clone() for k, p in live.items()})
+        losses.append(loss_t)
+    return losses, history[-1]
+
+
+def rule(schedule: str, n: int, m: int, vertical_sync: bool = False) -> tuple[Version, Version | None]:
+    """The forward and backward versions of ``schedule`` (the issue's rules; for chunks > 1 PipeDream's
+    version is the newest when a batch's first micro-batch enters, as the guide says)."""
+    if schedule == "PipeMare":
+        return (lambda t, i, j: pipemare_forward_version(t, i, j, n, m)), (lambda t, i, j: t)
+    return (lambda t, i, j: weight_version(schedule, t, j, n, m, vertical_sync=vertical_sync)), None
+
+
+def shifted(version: Version, stage: int) -> Version:
+    """``version`` with ``stage`` one update newer (where that exists): what a wrong rule would run."""
+    return lambda t, i, j: version(t, i, j) + (1 if j == stage and version(t, i, j) < t else 0)
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.02}),
+}
+
+# (schedule, vertical_sync, stages, chunks, optimizer, skip): pairwise over the rules, 2 and 3 stages,
+# chunks 1 and 4, SGD with momentum and Adam, with and without a skip across stages.
+CASES = [
+    ("PipeDream", False, 2, 1, "sgd", False),
+    ("PipeDream", False, 3, 4, "adam", True),
+    ("PipeDream", True, 3, 1, "sgd", True),
+    ("PipeDream-2BW", False, 2, 4, "adam", False),
+    ("PipeDream-2BW", False, 3, 1, "sgd", True),
+    ("PipeMare", False, 2, 4, "sgd", False),
+    ("PipeMare", False, 3, 1, "adam", True),
+]
+
+
+def model_for(stages: int, skip: bool) -> tuple[nn.Sequential, list[int]]:
+    if not skip:
+        model = mlp([5, 8, 8, 6, 3], seed=1)  # 7 layers
+        return model, {2: [3, 4], 3: [2, 3, 2]}[stages]
+    torch.manual_seed(2)  # a skip from stage 0 to the last stage, past the middle ones
+    model = nn.Sequential(nn.Linear(5, 6), StashInput(), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), PopAdd(),
+                          nn.Linear(6, 3))
+    return model, {2: [3, 4], 3: [2, 3, 2]}[stages]
+
+
+@pytest.mark.parametrize("schedule,vertical_sync,stages,chunks,opt,skip", CASES)
+def test_train_stream_follows_the_rule_exactly(cluster, schedule, vertical_sync, stages, chunks, opt, skip):
+    model, balance = model_for(stages, skip)
+    plain = twin(model)
+    data = batches(6, 8, seed=stages * 10 + chunks, last_rows=6)
+    cls, kwargs = OPTIMIZERS[opt]
+    forward, backward = rule(schedule, stages, chunks, vertical_sync)
+    names = stage_names(plain, balance)
+    expected, weights = simulate(plain, names, data, lambda p: cls(p, **kwargs), chunks, forward, backward)
+    with Pipe(model, chunks=chunks, balance=balance, workers=cluster.names[:stages], schedule=schedule,
+              vertical_sync=vertical_sync, checkpoint="never" if schedule == "PipeMare" else "except_last") as pipe:
+        optimizer = pipe.optimizer(cls, **kwargs)
+        losses = [loss.item() for loss in pipe.train_stream(data, F.cross_entropy, optimizer)]
+        state = pipe.state_dict()
+    torch.testing.assert_close(losses, expected)
+    for name, value in weights.items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
+    # the same simulation on a wrong version (one stage one update newer) is far off
+    wrong = shifted(forward, 0) if backward is None else forward
+    wrong_backward = None if backward is None else shifted(lambda t, i, j: t - 1 if t else 0, 0)
+    _, off = simulate(twin(model_for(stages, skip)[0]), names, data, lambda p: cls(p, **kwargs), chunks, wrong,
+                      wrong_backward)
+    with pytest.raises(AssertionError):  # the comparison above would have failed on it
+        torch.testing.assert_close({k: state[k] for k in off}, off)
+
+
+def test_train_stream_under_a_synchronous_schedule_is_the_train_step_loop(cluster):
+    model = mlp([5, 8, 8, 6, 3], seed=4)
+    data = batches(4, 8, seed=5, last_rows=5)
+    results = []
+    for streamed in (True, False):
+        with Pipe(twin(model), chunks=4, balance=[3, 4], workers=cluster.names[:2], schedule="1F1B") as pipe:
+            optimizer = pipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+            if streamed:
+                losses = list(pipe.train_stream(data, F.cross_entropy, optimizer))
+            else:
+                losses = []
+                for x, y in data:
+                    with dist_autograd.context() as ctx:
+                        losses.append(pipe.train_step(ctx, x, y, F.cross_entropy))
+                        optimizer.step(ctx)
+            results.append((losses, pipe.state_dict()))
+    (a, sa), (b, sb) = results
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("stages,chunks,per_worker", [(2, 4, 1), (4, 2, 2)])
+def test_stream_is_the_model_input_by_input(cluster, stages, chunks, per_worker):
+    model = mlp([5, 8, 8, 6, 3], seed=6)
+    plain = twin(model).eval()
+    inputs = [x for x, _ in batches(7, 9, seed=7, last_rows=3)]
+    schedule = "Interleaved1F1B" if per_worker > 1 else "GPipe"
+    with Pipe(model, chunks=chunks, balance={2: [3, 4], 4: [2, 2, 2, 1]}[stages], schedule=schedule,
+              stages_per_worker=per_worker, workers=cluster.names[:stages // per_worker]) as pipe:
+        with torch.no_grad():
+            outputs = list(pipe.stream(iter(inputs)))
+            expected = [plain(x) for x in inputs]
+        assert len(outputs) == len(inputs)
+        for out, exp in zip(outputs, expected):
+            torch.testing.assert_close(out, exp)
+        with torch.no_grad():  # the pipe is its own again afterwards
+            torch.testing.assert_close(pipe(inputs[0]).local_value(), expected[0])
