@@ -21,7 +21,6 @@ the parameters ``DistributedOptimizer`` was given (stage order for ``pipe.parame
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.optim import Optimizer
 
 from . import _rpc
+from .pipe_optimizer import PipeOptimizer, StageSchedulers
+from .stage_optim import Scheduled, _shapes, _to_cpu
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "RemoteLRScheduler",
            "optimizer_state_dict", "load_optimizer_state_dict"]
@@ -101,21 +102,6 @@ def _local(optimizer_rref: rpc.RRef) -> tuple[Optimizer, Any]:
     return wrapper.optim, type(wrapper).global_lock
 
 
-def _to_cpu(value: Any) -> Any:
-    """State with every tensor on the CPU: the driver has no device maps to receive GPU tensors."""
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _shapes(optimizer: Optimizer) -> list[list[int]]:
-    return [list(p.shape) for group in optimizer.param_groups for p in group["params"]]
-
-
 def _optimizer_state(optimizer_rref: rpc.RRef) -> dict[str, Any]:
     optimizer, lock = _local(optimizer_rref)
     with lock:
@@ -137,24 +123,10 @@ def _load_optimizer_state(optimizer_rref: rpc.RRef, saved: dict[str, Any]) -> No
         optimizer.load_state_dict(saved["state_dict"])  # moves the state to the parameters' devices
 
 
-class _Scheduled:
-    """A scheduler on a worker, with the lock its optimizer's steps take."""
-
-    def __init__(self, optimizer_rref: rpc.RRef, factory: bytes) -> None:
-        optimizer, self.lock = _local(optimizer_rref)
-        make, args, kwargs = pickle.loads(factory)
-        self.scheduler = make(optimizer, *args, **kwargs)
-
-    def call(self, method: str, *args: Any) -> Any:
-        with self.lock:
-            result = getattr(self.scheduler, method)(*args)
-        return _to_cpu(result) if method == "state_dict" else result
-
-
 def _new_scheduler(optimizer_rref: rpc.RRef, factory: bytes) -> tuple[rpc.RRef, bool]:
     """The scheduler's RRef, and whether it steps on a metric (refused by the driver)."""
-    scheduled = _Scheduled(optimizer_rref, factory)
-    return rpc.RRef(scheduled), isinstance(scheduled.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    scheduled = Scheduled(*_local(optimizer_rref), factory)
+    return rpc.RRef(scheduled), scheduled.on_metric
 
 
 def _call(scheduled_rref: rpc.RRef, method: str, *args: Any) -> Any:
@@ -183,10 +155,10 @@ def _on_each(rrefs: list[rpc.RRef], fn: Callable[..., Any], per_rref: list[tuple
     return results
 
 
-def _per_worker(states: Any, count: int, what: str) -> list[tuple[Any, ...]]:
+def _per_worker(states: Any, count: int, what: str, per: str = "worker") -> list[tuple[Any, ...]]:
     if not isinstance(states, list) or len(states) != count:
         got = f"a list of {len(states)}" if isinstance(states, list) else type(states).__name__
-        raise ValueError(f"expected a list of {count} {what} states, one per worker as saved, got {got}")
+        raise ValueError(f"expected a list of {count} {what} states, one per {per} as saved, got {got}")
     return [(state,) for state in states]
 
 
@@ -208,12 +180,18 @@ def load_optimizer_state_dict(optimizer: DistributedOptimizer, states: list[dict
     _on_each(rrefs, _load_optimizer_state, states_each, what="loading the optimizer state")
 
 
+_ON_METRIC = "ReduceLROnPlateau steps on a metric, which RemoteLRScheduler.step() does not take"
+
+
 class RemoteLRScheduler:
-    """A learning-rate scheduler next to every worker's optimizer of a ``DistributedOptimizer``.
+    """A learning-rate scheduler next to every worker's optimizer of a ``DistributedOptimizer``, or every
+    stage's optimizer of a pipe's own (``pipe.optimizer(...)``, a
+    :class:`~rrefpipe.pipe_optimizer.PipeOptimizer`).
 
     ``RemoteLRScheduler(opt, torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=1000)`` builds
-    ``OneCycleLR(worker_optimizer, max_lr=0.1, total_steps=1000)`` on each worker; :meth:`step` steps
-    them all (call it where you would call ``scheduler.step()``, after ``opt.step``). Any callable that
+    ``OneCycleLR(worker_optimizer, max_lr=0.1, total_steps=1000)`` on each worker (on each stage, for a
+    ``PipeOptimizer``: lists below are then per stage); :meth:`step` steps them all (call it where you
+    would call ``scheduler.step()``, after ``opt.step``). Any callable that
     takes the optimizer first works, so schedulers made of schedulers go as a function:
     ``RemoteLRScheduler(opt, lambda o: SequentialLR(o, [LinearLR(o, 0.1), CosineAnnealingLR(o, 90)], [10]))``.
     The callable and its arguments are cloudpickled: lambdas and what your script (``__main__``) defines
@@ -221,16 +199,26 @@ class RemoteLRScheduler:
     ``ReduceLROnPlateau``, which steps on a metric, is refused.
     """
 
-    def __init__(self, optimizer: DistributedOptimizer, scheduler: Callable[..., Any], *args: Any,
+    def __init__(self, optimizer: DistributedOptimizer | PipeOptimizer, scheduler: Callable[..., Any], *args: Any,
                  **kwargs: Any) -> None:
+        self._stages: StageSchedulers | None = None
+        self._schedulers: list[rpc.RRef] = []
+        if isinstance(optimizer, PipeOptimizer):
+            self._stages = optimizer.add_scheduler(cloudpickle.dumps((scheduler, args, kwargs)))
+            if self._stages.on_metric:
+                self._stages.close()
+                raise TypeError(_ON_METRIC)
+            return
         rrefs = _remote_optimizers(optimizer)
         factory = cloudpickle.dumps((scheduler, args, kwargs))
         built = _on_each(rrefs, _new_scheduler, [(factory,)] * len(rrefs), what="building the scheduler")
         if any(on_metric for _, on_metric in built):
-            raise TypeError("ReduceLROnPlateau steps on a metric, which RemoteLRScheduler.step() does not take")
+            raise TypeError(_ON_METRIC)
         self._schedulers = [rref for rref, _ in built]
 
     def _each(self, method: str, per_worker: list[tuple[Any, ...]] | None = None) -> list[Any]:
+        if self._stages is not None:
+            return self._stages.call(method, per_worker)
         calls = [(method, *args) for args in per_worker] if per_worker else [(method,)] * len(self._schedulers)
         return _on_each(self._schedulers, _call, calls, what=f"scheduler.{method}()")
 
@@ -239,13 +227,14 @@ class RemoteLRScheduler:
         self._each("step")
 
     def get_last_lr(self) -> list[float]:
-        """The learning rate of every parameter group, worker after worker."""
+        """The learning rate of every parameter group, worker (or stage) after worker."""
         return [lr for lrs in self._each("get_last_lr") for lr in lrs]
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """Each worker's scheduler state, for a checkpoint."""
+        """Each worker's (or stage's) scheduler state, for a checkpoint."""
         return self._each("state_dict")
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._each("load_state_dict", _per_worker(states, len(self._schedulers), "scheduler"))
+        count, per = (len(self._stages), "stage") if self._stages is not None else (len(self._schedulers), "worker")
+        self._each("load_state_dict", _per_worker(states, count, "scheduler", per))
