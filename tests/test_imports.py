@@ -200,3 +200,17 @@ def _reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
             seen.add(w)
             frontier.append(w)
     return False
+
+
+def test_the_pipe_optimizers_worker_side_stays_below_its_driver_side():
+    """``stage_optim`` runs on stage workers (above ``server``, which the stream runtime shares with it);
+    ``pipe_optimizer`` is the driver's (above ``driver``, ``local`` and ``stage_optim``; ``pipe`` and
+    ``optim`` above it)."""
+    graph = import_graph()
+    assert "rrefpipe.server" in graph["rrefpipe.stage_optim"]
+    for driver_side in ("rrefpipe.driver", "rrefpipe.local", "rrefpipe.pipe", "rrefpipe.pipe_optimizer",
+                        "rrefpipe.optim"):
+        assert not _reaches(graph, "rrefpipe.stage_optim", driver_side), driver_side
+    assert {"rrefpipe.driver", "rrefpipe.local", "rrefpipe.stage_optim"} <= graph["rrefpipe.pipe_optimizer"]
+    assert not _reaches(graph, "rrefpipe.pipe_optimizer", "rrefpipe.pipe")
+    assert "rrefpipe.pipe_optimizer" in graph["rrefpipe.optim"]
