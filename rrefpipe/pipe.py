@@ -15,7 +15,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, calling, clip, microbatch, placement
+from . import _rpc, calling, clip, microbatch, pipe_optimizer, placement, streaming
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
@@ -25,6 +25,7 @@ from .errors import warn_user
 from .local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
 from .output import PipeRRef, RemotePipeRRef
+from .pipe_optimizer import PipeOptimizer
 from .schedule import check_schedule, parse_schedule
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
@@ -469,13 +470,12 @@ class Pipe(nn.Module):
         return self._driver.train_step(context_id, input, target, loss_fn, training=self.training,
                                        spread=self.call_style == "2.x", loss_scale=scale, **averaging)
 
-    def optimizer(self, cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Any:
+    def optimizer(self, cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> PipeOptimizer:
         """``cls(stage_parameters, **kwargs)`` built on every stage's worker, one per stage, and owned by
         the pipe (closed with it): ``step(context_id)`` and ``zero_grad()`` as ``DistributedOptimizer``'s,
         ``param_groups``, ``state_dict()`` with the model's parameter names, and LR schedules through
         :class:`rrefpipe.optim.RemoteLRScheduler`. :meth:`train_stream` needs it under an asynchronous
         schedule, whose stages step it inside the pipeline; see :class:`~rrefpipe.pipe_optimizer.PipeOptimizer`."""
-        from . import pipe_optimizer  # TEMP lazy until it lands
         return pipe_optimizer.build(self, cls, **kwargs)
 
     def train_stream(self, batches: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor], optimizer: Any, *,
@@ -501,7 +501,6 @@ class Pipe(nn.Module):
                 was fed before it is finished first), an optimizer that is not the pipe's under an
                 asynchronous schedule, a pipe in one process under one.
         """
-        from . import streaming  # TEMP lazy
         return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler)
 
     def stream(self, inputs: Iterable[Any], *, in_flight: int | None = None) -> Iterator[Any]:
@@ -518,7 +517,6 @@ class Pipe(nn.Module):
             TypeError, ValueError: an input that is not a CPU tensor or tuple of them (names its position).
             StageError: a stage failed (names the stage, worker, input and micro-batch).
         """
-        from . import streaming  # TEMP lazy
         return streaming.stream(self, inputs, in_flight)
 
     def backward(self, context_id: int, loss: Tensor | Sequence[Tensor]) -> None:
@@ -746,6 +744,8 @@ class Pipe(nn.Module):
             self._finalizer.detach()
         driver = getattr(self, "_driver", None)
         if driver is not None:
+            if not getattr(driver, "streaming", False):  # (a stream's optimizers go with the next build)
+                pipe_optimizer.close_all(self)  # first: freeing them takes control calls to the stages
             driver.close()
         self._stop_local_workers()
         placement.release(placement.close_abandoned())

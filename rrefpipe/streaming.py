@@ -81,8 +81,8 @@ class StreamRequest:
 def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training: bool, spread: bool,
         prepare: Any) -> Iterator[Any]:
     """Stream ``batches`` through ``driver``'s stages; yields each batch's mean loss (training) or
-    output, in order. ``prepare(item, t)`` turns an item of ``batches`` into ``(input, target)``
-    (target None when forward only), raising an error that names position ``t``."""
+    output, in order. ``prepare(item)`` turns an item of ``batches`` into ``(input, target)`` (target
+    None when forward only); its TypeError or ValueError is raised naming the item's position."""
     driver._check_open()
     n = len(driver.infos)
     workers = list(driver.workers)
@@ -113,19 +113,15 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
                     ended = True
                     break
                 try:
-                    value, target = prepare(item, fed)
-                    rows = _rows(value, target, driver.chunks, fed, forward_only)
-                except BaseException:
-                    ended = True
-                    _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
-                    _drain(inbox, distinct, driver.rpc_timeout)
-                    raise
-                rows_of[fed] = rows
+                    value, target = prepare(item)
+                    rows_of[fed] = _rows(value, target, driver.chunks, forward_only)
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"item {fed} of the stream: {exc}") from exc
                 value = microbatch.apply(_send_copy, value)
                 target = None if target is None else microbatch.apply(_send_copy, target)
                 for worker in distinct:
                     rpc.rpc_async(worker, streamed.feed, timeout=driver.rpc_timeout, args=(
-                        driver.pipe_id, step, fed, rows, value if worker == first else None,
+                        driver.pipe_id, step, fed, rows_of[fed], value if worker == first else None,
                         target if worker == last else None))
                 fed += 1
             if ended and yielded == fed:
@@ -135,17 +131,36 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
                 break
             yield result if forward_only else mean_loss(result, rows_of.pop(yielded))
             yielded += 1
-        if not inbox.failures():
-            _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
-            _drain(inbox, distinct, None)
+        _finish(driver, inbox, step, fed, distinct)
         _raise_failure(driver, inbox, step, distinct)
-    except GeneratorExit:  # the caller left the loop: what was fed still updates the weights
-        _end(driver.pipe_id, distinct, step, fed, driver.rpc_timeout)
-        _drain(inbox, distinct, driver.rpc_timeout)
+    except BaseException:
+        # The caller left the loop (GeneratorExit), the iterable or an item failed, or the wait did: what
+        # was fed is finished and applied, so that every stage ends on the same update.
+        if len(inbox.reports) < len(distinct) and not inbox.failures():
+            _finish(driver, inbox, step, fed, distinct)
         raise
     finally:
         _inboxes.pop((driver.pipe_id, step), None)
         driver.streaming = False
+
+
+def _finish(driver: Any, inbox: _Inbox, step: int, batches: int, workers: list[str]) -> None:
+    """Tell every worker the stream has ``batches`` batches and wait until their runs end; a run that
+    has not ended within the RPC timeout is called off."""
+    if inbox.failures():
+        return
+    _end(driver.pipe_id, workers, step, batches, driver.rpc_timeout)
+    with inbox.cond:
+        done = inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers) or bool(inbox.failures()),
+                                   timeout=driver.rpc_timeout)
+    if not done:
+        late = [w for i, w in enumerate(workers) if i not in inbox.reports]
+        with inbox.cond:
+            for i, worker in enumerate(workers):
+                inbox.reports.setdefault(i, StepReport(failure=Failure(
+                    driver.workers.index(worker), worker, None, "stream", "TimeoutError",
+                    f"its run did not end within {driver.rpc_timeout:g} s of the stream's end (workers still "
+                    f"running: {late})", "", transport=True)))
 
 
 def _start(pipe_id: str, workers: list[str], plan: StreamPlan, request: StreamRequest, last: str,
@@ -167,8 +182,8 @@ def _start(pipe_id: str, workers: list[str], plan: StreamPlan, request: StreamRe
         rpc.rpc_async(worker, streamed.run_stream, args=(pipe_id, w, plan, loss_fn), timeout=0).add_done_callback(record)
 
 
-def _rows(value: TensorOrTensors, target: TensorOrTensors | None, chunks: int, t: int,
-          forward_only: bool) -> tuple[int, ...]:
+def _rows(value: TensorOrTensors, target: TensorOrTensors | None, chunks: int, forward_only: bool
+          ) -> tuple[int, ...]:
     if forward_only:
         return tuple(microbatch.as_tensors(b)[0].size(0) for b in microbatch.scatter(value, chunks))
     assert target is not None
@@ -197,12 +212,6 @@ def _end(pipe_id: str, workers: list[str], step: int, batches: int, timeout: flo
             rpc.rpc_async(worker, streamed.end, args=(pipe_id, step, batches), timeout=timeout)
         except Exception:
             pass  # a worker known to be gone: its run's report says so
-
-
-def _drain(inbox: _Inbox, workers: list[str], timeout: float | None) -> None:
-    """Wait until every worker's run has ended (``timeout``: at most that long)."""
-    with inbox.cond:
-        inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers) or bool(inbox.failures()), timeout=timeout)
 
 
 def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) -> None:
@@ -258,14 +267,17 @@ def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any
                             loss_fn=_pickled_loss(loss_fn), optimizer=optimizer.id,
                             step_schedulers=lr_scheduler is not None, vertical_sync=pipe.vertical_sync)
     return run(driver, batches, request, training=pipe.training, spread=pipe.call_style == "2.x",
-               prepare=lambda item, t: _pair(pipe, item, t))
+               prepare=lambda item: _pair(pipe, item))
 
 
 def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any
                 ) -> Iterator[Tensor]:
     """Under a synchronous schedule: ``train_step`` and ``optimizer.step`` per batch, exactly."""
     for t, item in enumerate(batches):
-        value, target = _pair(pipe, item, t, captured=False)
+        try:
+            value, target = _pair(pipe, item, captured=False)
+        except TypeError as exc:
+            raise TypeError(f"item {t} of the stream: {exc}") from exc
         with dist_autograd.context() as context_id:
             loss = pipe.train_step(context_id, value, target, loss_fn)
             optimizer.step(context_id)
@@ -286,7 +298,7 @@ def stream(pipe: Any, inputs: Iterable[Any], in_flight: int | None) -> Iterator[
     driver = pipe._driver
     request = StreamRequest(in_flight=in_flight or default_in_flight(len(driver.infos), driver.chunks))
     results = run(driver, inputs, request, training=pipe.training, spread=pipe.call_style == "2.x",
-                  prepare=lambda item, t: (_input(pipe, item, t), None))
+                  prepare=lambda item: (_input(pipe, item), None))
     if pipe._captured is None or pipe._captured.outputs.plain:
         return results
     return (pipe._captured.outputs.rebuild(out) for out in results)
@@ -299,31 +311,26 @@ def _remote(pipe: Any, what: str) -> Any:
     return pipe._driver
 
 
-def _input(pipe: Any, item: Any, t: int) -> TensorOrTensors:
-    """Item t of a stream as the pipe's stages take it, or an error naming the position."""
-    try:
-        if pipe._captured is not None:
-            item = pipe._captured.inputs(item if isinstance(item, tuple) else (item,))
-        value, _ = microbatch.call_inputs((item,))
-        microbatch.check(value, "the input")
-        _check_cpu(value)
-        return value
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"item {t} of the stream: {exc}") from exc
+def _input(pipe: Any, item: Any) -> TensorOrTensors:
+    """An item of a stream as the pipe's stages take it (checked: CPU tensors)."""
+    if pipe._captured is not None:
+        item = pipe._captured.inputs(item if isinstance(item, tuple) else (item,))
+    value, _ = microbatch.call_inputs((item,))
+    microbatch.check(value, "the input")
+    _check_cpu(value)
+    return value
 
 
-def _pair(pipe: Any, item: Any, t: int, captured: bool = True) -> tuple[Any, Any]:
-    """Item t of a training stream as ``(input, target)``, or an error naming the position."""
+def _pair(pipe: Any, item: Any, captured: bool = True) -> tuple[Any, Any]:
+    """An item of a training stream as ``(input, target)``."""
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise TypeError(f"item {t} of the stream: expected a pair (input, target), got {type(item).__name__}")
+        raise TypeError(f"expected a pair (input, target), got {type(item).__name__}")
     value, target = item
     if not captured:  # train_step checks and converts it
         return value, target
-    value = _input(pipe, value, t)
-    try:
-        _check_cpu(target)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"item {t} of the stream (its target): {exc}") from exc
+    value = _input(pipe, value)
+    microbatch.check(target, "the target")
+    _check_cpu(target)
     return value, target
 
 

@@ -11,6 +11,16 @@ from torch import Tensor, nn
 SENTINEL = 1e9  # a micro-batch containing this value makes Boom raise
 
 
+class BoomOnHuge(nn.Module):
+    """Identity, except that it raises ValueError on a micro-batch with a value above 1e6 (a SENTINEL
+    in the model's input, after linear layers)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if bool((x.abs() > 1e6).any()):
+            raise ValueError(f"boom: sentinel in a batch of {x.size(0)}")
+        return x
+
+
 class Boom(nn.Module):
     """Identity, except that it raises ValueError on a micro-batch that contains SENTINEL."""
 

@@ -186,3 +186,8 @@ def deliver_late_in_the_callers_context(driver: str, pipe_id: str, tensor: torch
     from rrefpipe.driver import deliver
 
     return rpc.rpc_async(driver, deliver, args=(pipe_id, 0, tensor * 2))
+
+
+def stream_threads() -> list[str]:
+    """On a stage worker: the threads of continuous pipelines still running (none once a stream ended)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("rrefpipe-stream")]

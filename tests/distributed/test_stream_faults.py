@@ -1,0 +1,153 @@
+"""Streams that fail or stop early: a layer raising mid-stream, an iterable that raises or gives a bad
+item, a loop left with ``break``, and a stream that is not finished. Each ends with a named error or a
+clean stop, no thread left on the workers, and a pipe that works afterwards; what was fed before the
+stop is finished and applied (the weights equal the rule's simulation over exactly those batches)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import nn
+
+from rrefpipe import Pipe, StageError
+from rrefpipe.streaming import default_in_flight
+from tests.distributed.probes import stream_threads
+from tests.distributed.test_streams import batches, rule, simulate, stage_names
+from tests.layers import SENTINEL, BoomOnHuge, twin
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(8)
+    return nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 8), BoomOnHuge(), nn.Tanh(), nn.Linear(8, 3))
+
+
+BALANCE = [1, 4]  # the check on stage 1
+
+
+@pytest.fixture(scope="module")
+def pipe(cluster) -> Iterator[Pipe]:
+    with Pipe(model(), chunks=2, balance=BALANCE, workers=cluster.names[:2], schedule="PipeDream-2BW") as p:
+        yield p
+
+
+def fresh(pipe: Pipe):
+    """The pipe back at the model's initial weights, with a new optimizer."""
+    pipe.load_state_dict(model().state_dict())
+    return pipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def assert_weights_after(pipe: Pipe, fed: list) -> None:
+    """The pipe's weights are the rule's after exactly the batches ``fed``."""
+    plain = model()
+    forward, _ = rule("PipeDream-2BW", 2, 2)
+    _, expected = simulate(plain, stage_names(plain, BALANCE), fed, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                           2, forward)
+    state = pipe.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_no_stream_threads(pipe: Pipe) -> None:
+    for worker in dict.fromkeys(info.worker for info in pipe.stages):
+        assert rpc.rpc_sync(worker, stream_threads, timeout=10) == [], worker
+
+
+def test_a_layer_raising_mid_stream_names_stage_worker_batch_and_micro_batch(pipe):
+    optimizer = fresh(pipe)
+    data = batches(6, 4, seed=1)
+    data[3][0][3] = SENTINEL  # batch 3, row 3: micro-batch 1 of 2
+    seen = []
+    with pytest.raises(StageError) as info:
+        for loss in pipe.train_stream(data, F.cross_entropy, optimizer):
+            seen.append(loss)
+    error = info.value
+    assert (error.stage, error.worker, error.microbatch) == (1, pipe.stages[1].worker, 1)
+    assert "batch 3" in str(error) and "boom: sentinel" in str(error)
+    assert len(seen) <= 3
+    assert_no_stream_threads(pipe)
+    optimizer = fresh(pipe)  # usable afterwards: a clean stream follows the rule from the start
+    clean = batches(3, 4, seed=2)
+    assert len(list(pipe.train_stream(clean, F.cross_entropy, optimizer))) == 3
+    assert_weights_after(pipe, clean)
+
+
+def test_an_iterable_that_raises_finishes_what_was_fed_then_raises(pipe):
+    optimizer = fresh(pipe)
+    data = batches(5, 4, seed=3)
+
+    def source():
+        yield from data[:4]
+        raise KeyError("the data loader broke")
+
+    losses = []
+    with pytest.raises(KeyError, match="the data loader broke"):
+        for loss in pipe.train_stream(source(), F.cross_entropy, optimizer):
+            losses.append(loss)
+    assert_weights_after(pipe, data[:4])
+    assert_no_stream_threads(pipe)
+
+
+def test_a_bad_item_is_named_with_its_position(pipe):
+    optimizer = fresh(pipe)
+    data = batches(4, 4, seed=4)
+    bad = data[:2] + [(data[2][0], data[2][1][:3])] + data[3:]  # a target one row short
+    with pytest.raises(ValueError, match="item 2 of the stream.*3 rows and the input 4"):
+        list(pipe.train_stream(bad, F.cross_entropy, optimizer))
+    assert_weights_after(pipe, data[:2])  # the two before it were finished and applied
+    with pytest.raises(TypeError, match="item 0 of the stream: expected a pair"):
+        list(pipe.train_stream([data[0][0]], F.cross_entropy, optimizer))
+
+
+def test_leaving_the_loop_applies_every_batch_fed(pipe):
+    optimizer = fresh(pipe)
+    data = batches(8, 4, seed=5)
+    stream = pipe.train_stream(data, F.cross_entropy, optimizer)
+    for t, _ in enumerate(stream):
+        if t == 1:
+            break
+    stream.close()
+    fed = 2 + default_in_flight(2, 2) - 1  # fed ahead of loss 1 when it was yielded
+    assert_weights_after(pipe, data[:fed])
+    assert_no_stream_threads(pipe)
+
+
+def test_a_running_stream_owns_the_pipe(pipe):
+    optimizer = fresh(pipe)
+    stream = pipe.train_stream(batches(3, 4, seed=6), F.cross_entropy, optimizer)
+    next(stream)
+    with pytest.raises(RuntimeError, match="a stream of this Pipe is running"):
+        pipe(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="a stream of this Pipe is running"):
+        pipe.state_dict()
+    stream.close()
+    with torch.no_grad():
+        assert pipe(torch.randn(2, 5)).local_value().shape == (2, 3)
+
+
+def test_a_forward_stream_names_the_failing_input_and_recovers(pipe):
+    inputs = [x for x, _ in batches(5, 4, seed=7)]
+    inputs[2][1] = SENTINEL
+    pipe.eval()
+    try:
+        with torch.no_grad():
+            out = []
+            with pytest.raises(StageError, match="batch 2") as info:
+                for y in pipe.stream(inputs):
+                    out.append(y)
+            assert info.value.stage == 1 and info.value.microbatch == 0
+            assert len(out) <= 2
+            with pytest.raises(TypeError, match="item 1 of the stream"):
+                list(pipe.stream([inputs[0], "not a tensor"]))
+            plain = twin(model())
+            plain.load_state_dict(pipe.state_dict())
+            clean = [x for x, _ in batches(3, 4, seed=8)]
+            for y, x in zip(pipe.stream(clean), clean):
+                torch.testing.assert_close(y, plain.eval()(x))
+    finally:
+        pipe.train()
+    assert_no_stream_threads(pipe)
