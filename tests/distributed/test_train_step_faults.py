@@ -612,7 +612,7 @@ def test_train_step_in_a_context_where_a_forward_ran_is_refused_at_once():
 KILL_SCRIPT = """
 import os, signal, threading, time
 from pathlib import Path
-import torch.distributed.autograd as dist_autograd, torch.nn.functional as F
+import torch, torch.distributed.autograd as dist_autograd, torch.nn.functional as F
 from rrefpipe import Pipe, StageError
 from workers import LocalWorkers
 from tests.distributed.test_train_step_faults import HOLD, HoldsInWeight, HoldsOn, batch, failing_model, marked
@@ -632,19 +632,25 @@ def killer():  # kills the worker that says it is held, as soon as it says so
         time.sleep(0.002)
 
 split = phase == "weight"  # between the two halves of a split backward: ZBV, 4 stages on 2 workers
+stream = phase == "stream"  # in pipe.train_stream under PipeDream-2BW, in a forward
 with LocalWorkers(2 if split else 3, threads=1) as group:
-    middle = HoldsInWeight(folder) if split else HoldsOn(folder, phase)
+    middle = HoldsInWeight(folder) if split else HoldsOn(folder, "forward" if stream else phase)
+    schedule = "ZBVZeroBubble" if split else "PipeDream-2BW" if stream else "1F1B"
     pipe = Pipe(failing_model(middle), chunks=4, checkpoint="never", balance=[1, 2, 1, 1] if split else [1, 2, 2],
-                workers=group.names, schedule="ZBVZeroBubble" if split else "1F1B", stages_per_worker=1 + split,
-                rpc_timeout=60)
+                workers=group.names, schedule=schedule, stages_per_worker=1 + split, rpc_timeout=60)
     x, y = batch()
     with dist_autograd.context() as ctx:  # a good step first: the fault comes in a warm pipe
         pipe.train_step(ctx, x, y, F.mse_loss)
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     try:
-        with dist_autograd.context() as ctx:
-            pipe.train_step(ctx, marked(x, HOLD, 2), y, F.mse_loss)
+        if stream:  # batch 3 of a continuous pipeline holds stage 1's forward
+            data = [(marked(x, HOLD, 2) if t == 3 else x, y) for t in range(6)]
+            for loss in pipe.train_stream(data, F.mse_loss, pipe.optimizer(torch.optim.SGD, lr=0.0)):  # (HOLD must reach stage 1 as it is)
+                pass
+        else:
+            with dist_autograd.context() as ctx:
+                pipe.train_step(ctx, marked(x, HOLD, 2), y, F.mse_loss)
         print("raised=nothing")
     except StageError as exc:
         print(f"raised={{type(exc).__name__}}")
@@ -662,18 +668,19 @@ print(f"left={{time.monotonic() - t}}")
 """
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "weight"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "weight", "stream"])
 def test_a_worker_killed_during_a_1f1b_step_is_named_at_once(tmp_path, phase):
     """The stage-1 worker is SIGKILLed while it holds micro-batch 2 in its forward (after B0) or its
     backward (after F3), or (``weight``, under ZBVZeroBubble) in the weight half of its backward, after it
-    sent the input's gradient back: a WorkerError names it within seconds, and the pipe and group close
-    promptly. Its own group in a fresh interpreter: the session group must keep its workers."""
+    sent the input's gradient back, or (``stream``) in the forward of batch 3 of a PipeDream-2BW stream: a
+    WorkerError names it within seconds, and the pipe and group close promptly. Its own group in a fresh
+    interpreter: the session group must keep its workers."""
     proc = run_script(KILL_SCRIPT.format(folder=str(tmp_path), phase=phase), timeout=100)
     values = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     print(proc.stderr[-4000:])
     assert values.get("killed") == "True", proc.stdout
     assert (values["raised"], values["stage"], values["worker"]) == ("WorkerError", "1", "worker2"), values
-    assert values["phase"].startswith("train_step"), values
+    assert values["phase"].startswith("stream" if phase == "stream" else "train_step"), values
     assert values["message"].startswith("the worker is unreachable"), values
     surfaced, closed, left = float(values["surfaced"]), float(values["closed"]), float(values["left"])
     record_surfacing(f"train_step: worker killed in {phase}", "WorkerError", surfaced)
