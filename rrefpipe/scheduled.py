@@ -207,8 +207,9 @@ class _StepRun:
         self.servers = {j: server._server(pipe_id, j) for j in sorted({a.j for a in self.orders})}
         self.meta = plan.meta()
         self.loss_fn = loss_fn
-        self.batches: list[TensorOrTensors] = []
-        self.targets: list[TensorOrTensors] = []
+        # by micro-batch (a continuous pipeline numbers them across batches: ``streamed``)
+        self.batches: dict[int, TensorOrTensors] = {}
+        self.targets: dict[int, TensorOrTensors] = {}
         self.sent: list[Future[Any]] = []
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.later: dict[tuple[int, int], backward_split.WeightGradients] = {}  # W of (j, i), after its I
@@ -216,7 +217,7 @@ class _StepRun:
                        if self.meta.split_backward else {})  # what W accumulates into, per stage
         self.losses: list[Tensor] = []
         self._value, self._target = value, target
-        self.weights = weights(plan.rows)
+        self.weights: dict[int, float] = dict(enumerate(weights(plan.rows)))
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self) -> StepReport:
@@ -273,18 +274,19 @@ class _StepRun:
             with first.stream.running():
                 # Each micro-batch in storage of its own, so that its forward's saved input goes with its
                 # backward: views would keep the whole batch until the step's last backward (1F1B's bound).
-                self.batches = [microbatch.apply(_own_storage, b) for b in _split_on(first, self._value, self.plan)]
+                self.batches = dict(enumerate(microbatch.apply(_own_storage, b)
+                                              for b in _split_on(first, self._value, self.plan)))
             self._value = None
         last = self.servers.get(self.plan.stages - 1)
         if last is not None and self._target is not None:  # loss_fn gets it where the output is
             with last.stream.running():
-                self.targets = _split_on(last, self._target, self.plan)
+                self.targets = dict(enumerate(_split_on(last, self._target, self.plan)))
 
     def _forward(self, j: int, i: int) -> None:
         srv = self.servers[j]
         stage = srv.stage
         if j == 0:
-            value, self.batches[i] = self.batches[i], ()  # the graph keeps what backward needs, nothing else
+            value = self.batches.pop(i)  # the graph keeps what backward needs, nothing else
             inputs: list[Tensor | None] = [None] * len(microbatch.as_tensors(value))
         else:
             value, inputs = _leaves(self._take(("F", j, i), lambda: f"the activation of micro-batch {i} from stage "

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+import copy
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import cloudpickle
 import torch
@@ -36,7 +38,7 @@ from .loss import weights
 from .microbatch import TensorOrTensors
 from .schedule import Action, checkpoint_stop, pipemare_forward_version, stream_order, weight_version
 from . import server
-from .scheduled import StepPlan, StepReport, _mailbox, _own_storage, _StepRun
+from .scheduled import Payload, StepPlan, StepReport, _mailbox, _own_storage, _StepRun
 from .skip.tracker import SkipKey
 from .stage import StageOutput, StepMeta
 from .transfer import to_device
@@ -66,6 +68,7 @@ class StreamPlan:
     training: bool  # the modules' mode: checkpointing only in training mode
     vertical_sync: bool = False
     optimizer: int | None = None  # the pipe optimizer's id on the workers (training)
+    undo_depth: int = 0  # the updates each stage can undo after a failure (training)
     step_schedulers: bool = False  # each stage steps its optimizer's LR schedulers after its update
     spread: bool = False
     autocast: tuple[AutocastRegion, ...] = ()
@@ -76,6 +79,28 @@ class StreamPlan:
                         rows=(), checkpoint_stop=0, workers=self.workers, skip_sources=self.skip_sources,
                         driver=self.driver, timeout=self.timeout, context_id=-1, spread=self.spread,
                         autocast=self.autocast)
+
+
+@dataclass
+class StreamReport(StepReport):
+    """A worker's answer at the end of its run: as a step's, with the updates each of its stages applied."""
+
+    updates: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Undo:
+    """What undoes one update of a stage: the weights, optimizer state and LR schedulers' state before it."""
+
+    updates: int  # the stage's update count before it
+    weights: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    schedulers: list[dict[str, Any]]
+
+
+# By (pipe id, stage): the undo records of the stage's last updates, kept after a run that failed until
+# the driver rolls the stage back to the last update every stage applied (or the next stream starts).
+_undo: dict[tuple[str, int], tuple[int, deque[_Undo]]] = {}
 
 
 @dataclass
@@ -110,8 +135,8 @@ class _StreamRun(_StepRun):
         self.later = {}
         self.params = {}
         self.losses = []
-        self.batches_in: dict[int, TensorOrTensors] = {}  # the first stage's micro-batches, by g
-        self.targets_in: dict[int, TensorOrTensors] = {}
+        self.batches: dict[int, TensorOrTensors] = {}  # the first stage's micro-batches, by g
+        self.targets: dict[int, TensorOrTensors] = {}  # the last stage's
         self.batch: dict[int, _Batch] = {}
         self.where: dict[int, tuple[int, int]] = {}  # g -> (t, i)
         self.next_first = 0
@@ -119,11 +144,11 @@ class _StreamRun(_StepRun):
         self.weights: dict[int, float] = {}  # g -> micro-batch g's share of its batch's loss (by rows)
         self.versions = {j: StageWeights(self.servers[j].stage.module, stash=plan.schedule != "PipeMare")
                          for j in mine} if not plan.forward_only else {}
+        self.undo: dict[int, deque[_Undo]] = {j: deque(maxlen=plan.undo_depth) for j in self.versions}
+        for j in mine:
+            _undo.pop((pipe_id, j), None)  # an earlier stream's, never rolled back
         self.forwarded = -1  # the last batch whose first forward ran here
-        self.updates = 0
         self.action: Action | None = None
-        self.batches = self.batches_in  # type: ignore[assignment]  # (the step run's name for them)
-        self.targets = self.targets_in  # type: ignore[assignment]
         self.meta = StepMeta(step=plan.step, chunks=plan.chunks, checkpoint_stop=0, grad_enabled=not plan.forward_only,
                              driver=plan.driver, timeout=plan.timeout)
 
@@ -153,12 +178,14 @@ class _StreamRun(_StepRun):
         while True:
             key = self.box.first_of(self.plan.step, [("batch", t)] if end is not None else [("batch", t), ("end",)])
             if key == ("end",):
-                (_, (end,)), _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "the end")
+                payload, _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "the end")
+                _, (end,) = cast(tuple[None, tuple[int]], payload)
                 if t >= end:
                     self.announced[t] = None
                     return None
                 continue
-            (value, (rows, target)), _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "a batch")
+            payload, _ = self.box.take(self.plan.step, key, self.plan.timeout, lambda: "a batch")
+            value, (rows, target) = cast(tuple[Any, tuple[tuple[int, ...], Any]], payload)
             self._announce(t, rows, value, target)
             return len(rows)
 
@@ -181,17 +208,18 @@ class _StreamRun(_StepRun):
             with srv.stream.running():
                 parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), value), m)
                 for i, part in enumerate(parts):
-                    self.batches_in[first + i] = microbatch.apply(_own_storage, part)
+                    self.batches[first + i] = microbatch.apply(_own_storage, part)
         if target is not None:
             srv = self.servers[self.stream.stages - 1]
             with srv.stream.running():
                 parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), target), m)
                 for i, part in enumerate(parts):
-                    self.targets_in[first + i] = part
+                    self.targets[first + i] = part
         self.announced[t] = m
 
     # -- the run -----------------------------------------------------------------------------------
-    def run(self) -> StepReport:
+    def run(self) -> StreamReport:
+        failure = None
         try:
             for self.action in self._orders():
                 a = self.action
@@ -213,12 +241,16 @@ class _StreamRun(_StepRun):
                 sent.wait()
             self.box.check(self.plan.step)
         except BaseException as exc:
-            return StepReport(failure=self._failure(exc, self.action))
+            failure = self._failure(exc, self.action)
         finally:
             self.kept.clear()
             self.batch.clear()
-            self.versions.clear()
-        return StepReport()
+        updates = {j: v.updates for j, v in self.versions.items()}
+        self.versions.clear()
+        if failure is not None and self.stream.optimizer is not None:
+            for j, records in self.undo.items():
+                _undo[(self.pipe_id, j)] = (self.stream.optimizer, records)
+        return StreamReport(failure=failure, updates=updates)
 
     def _failure(self, exc: BaseException, action: Action | None) -> Failure:
         """As a step's, with the micro-batch numbered within its batch and the batch named in the phase."""
@@ -262,7 +294,7 @@ class _StreamRun(_StepRun):
                 self._deliver(t, microbatch.gather(batch.outputs))
             return None  # type: ignore[return-value]  # (nothing to backpropagate)
         loss = super()._loss(g, output)
-        self.targets_in.pop(g)
+        self.targets.pop(g)
         batch.losses.append(self.losses.pop())
         if len(batch.losses) == len(batch.rows):
             self._deliver(t, torch.stack(batch.losses).cpu())
@@ -270,7 +302,6 @@ class _StreamRun(_StepRun):
 
     def _forward(self, j: int, g: int) -> None:
         super()._forward(j, g)
-        self.batches_in.pop(g, None)
         if self.stream.forward_only and j == max(self.servers):  # nothing to keep for a backward
             for stage in self.servers:
                 self.kept.pop((stage, g), None)
@@ -284,20 +315,25 @@ class _StreamRun(_StepRun):
         batch = self.batch.pop(t)
         leaves = batch.leaves.pop(j)
         s = self.stream
-        assert s.optimizer is not None
-        optimizer = stage_optim.optimizer(self.pipe_id, s.optimizer, j)
+        opt_id = s.optimizer
+        assert opt_id is not None
+        optimizer = stage_optim.optimizer(self.pipe_id, opt_id, j)
         versions = self.versions[j]
         keep = s.schedule != "PipeMare" and weight_version(
             s.schedule, self.forwarded + 1, j, s.stages, s.chunks, vertical_sync=s.vertical_sync) <= versions.updates
 
-        def step() -> None:
-            with stage_optim.lock(self.pipe_id, s.optimizer):
-                optimizer.step()
-                if s.step_schedulers:
-                    for scheduler in stage_optim.schedulers(self.pipe_id, s.optimizer, j):
-                        scheduler.step()
+        schedulers = stage_optim.schedulers(self.pipe_id, opt_id, j) if s.step_schedulers else []
+        states: list[Any] = []
 
-        versions.update(leaves, step, keep=keep)
+        def step() -> None:
+            with stage_optim.lock(self.pipe_id, opt_id):
+                states[:] = [copy.deepcopy(optimizer.state_dict()), [copy.deepcopy(x.state_dict()) for x in schedulers]]
+                optimizer.step()
+                for scheduler in schedulers:
+                    scheduler.step()
+
+        before = versions.update(leaves, step, keep=keep)
+        self.undo[j].append(_Undo(versions.updates - 1, before, *states))
 
     def _deliver(self, t: int, value: Any) -> None:
         """Batch t's losses or output to the driver, as soon as the last stage has them all."""
@@ -321,18 +357,37 @@ def feed(pipe_id: str, step: int, t: int, rows: tuple[int, ...], value: TensorOr
          target: TensorOrTensors | None) -> None:
     """Batch t of stream ``step``: its rows for every worker, the input for the first stage's, the target
     for the last stage's; filed for the stream's thread, never waits."""
-    _mailbox(pipe_id).put(step, ("batch", t), (value, (rows, target)))  # type: ignore[arg-type]
+    _mailbox(pipe_id).put(step, ("batch", t), cast(Payload, (value, (rows, target))))
+
+
+def roll_back(pipe_id: str, j: int, updates: int) -> str | None:
+    """After a failed stream: stage j's weights, optimizer state and LR schedulers back to where they
+    were after ``updates`` updates; None, or why that cannot be done."""
+    kept = _undo.pop((pipe_id, j), None)
+    if kept is None:
+        return "it kept no record of its updates"
+    optimizer_id, records = kept
+    record = next((r for r in records if r.updates == updates), None)
+    if record is None:
+        return f"it can undo only its last {len(records)} update(s)"
+    for name, p in server._server(pipe_id, j).stage.module.named_parameters():
+        p.data = record.weights[name]
+    with stage_optim.lock(pipe_id, optimizer_id):
+        stage_optim.optimizer(pipe_id, optimizer_id, j).load_state_dict(record.optimizer)
+        for scheduler, state in zip(stage_optim.schedulers(pipe_id, optimizer_id, j), record.schedulers):
+            scheduler.load_state_dict(state)
+    return None
 
 
 def end(pipe_id: str, step: int, batches: int) -> None:
     """Stream ``step`` has ``batches`` batches in all: the workers finish those and stop."""
-    _mailbox(pipe_id).put(step, ("end",), (None, (batches,)))  # type: ignore[arg-type]
+    _mailbox(pipe_id).put(step, ("end",), cast(Payload, (None, (batches,))))
 
 
 @rpc.functions.async_execution
-def run_stream(pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: bytes | None) -> Future[StepReport]:
+def run_stream(pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: bytes | None) -> Future[StreamReport]:
     """Run this worker's part of a stream on a thread of its own; resolves to its report when it ends."""
-    done: Future[StepReport] = Future()
+    done: Future[StreamReport] = Future()
 
     def work() -> None:
         try:
@@ -341,7 +396,7 @@ def run_stream(pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: bytes
         except BaseException as exc:  # the stage is gone, or the loss function does not unpickle here
             name = rpc.get_worker_info().name
             j = next((j for j in range(plan.stages) if plan.workers[j] == name), 0)
-            report = StepReport(failure=Failure.capture(exc, stage=j, worker=name, microbatch=None, phase="stream"))
+            report = StreamReport(failure=Failure.capture(exc, stage=j, worker=name, microbatch=None, phase="stream"))
         done.set_result(report)
 
     threading.Thread(target=work, name=f"rrefpipe-stream-{plan.step}", daemon=True).start()

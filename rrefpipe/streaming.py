@@ -33,8 +33,7 @@ from .errors import Failure, StageError
 from .loss import mean_loss, split_target
 from .microbatch import TensorOrTensors
 from .schedule import is_async
-from .scheduled import StepReport
-from .streamed import StreamPlan
+from .streamed import StreamPlan, StreamReport
 from .training import _explained
 
 __all__: list[str] = []
@@ -47,7 +46,7 @@ class _Inbox:
     """Results of one stream, filled in by :func:`deliver` and by the workers' reports."""
 
     results: dict[int, Any] = field(default_factory=dict)
-    reports: dict[int, StepReport] = field(default_factory=dict)  # by worker index, when its run ends
+    reports: dict[int, StreamReport] = field(default_factory=dict)  # by worker index, when its run ends
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def failures(self) -> list[Failure]:
@@ -94,7 +93,8 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
         workers=tuple(workers), skip_sources={key: j for j, info in enumerate(driver.infos) for key in info.stashes},
         driver=_rpc.self_name(), deliver=deliver, timeout=driver.rpc_timeout, forward_only=forward_only,
         training=training, vertical_sync=request.vertical_sync, optimizer=request.optimizer,
-        step_schedulers=request.step_schedulers, spread=spread, autocast=autocast.capture())
+        step_schedulers=request.step_schedulers, spread=spread, autocast=autocast.capture(),
+        undo_depth=request.in_flight + 1)  # stages differ by at most the batches in flight
     inbox = _inboxes[(driver.pipe_id, step)] = _Inbox()
     driver.streaming = True
     first, last = workers[0], workers[n - 1]
@@ -157,7 +157,7 @@ def _finish(driver: Any, inbox: _Inbox, step: int, batches: int, workers: list[s
         late = [w for i, w in enumerate(workers) if i not in inbox.reports]
         with inbox.cond:
             for i, worker in enumerate(workers):
-                inbox.reports.setdefault(i, StepReport(failure=Failure(
+                inbox.reports.setdefault(i, StreamReport(failure=Failure(
                     driver.workers.index(worker), worker, None, "stream", "TimeoutError",
                     f"its run did not end within {driver.rpc_timeout:g} s of the stream's end (workers still "
                     f"running: {late})", "", transport=True)))
@@ -168,11 +168,11 @@ def _start(pipe_id: str, workers: list[str], plan: StreamPlan, request: StreamRe
     """Each worker's run; its report lands in the inbox when the run ends (no timeout: a stream lasts as
     long as its caller feeds it; a dead worker still ends the call)."""
     for w, worker in enumerate(workers):
-        def record(done: Future[StepReport], w: int = w, worker: str = worker) -> None:
+        def record(done: Future[StreamReport], w: int = w, worker: str = worker) -> None:
             try:
                 report = done.wait()
             except Exception as exc:
-                report = StepReport(failure=Failure.capture(exc, stage=plan.workers.index(worker), worker=worker,
+                report = StreamReport(failure=Failure.capture(exc, stage=plan.workers.index(worker), worker=worker,
                                                             microbatch=None, phase="stream", transport=True))
             with inbox.cond:
                 inbox.reports[w] = report
@@ -215,7 +215,8 @@ def _end(pipe_id: str, workers: list[str], step: int, batches: int, timeout: flo
 
 
 def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) -> None:
-    """If a worker's run failed: call the others off, wait for them briefly, raise the first cause."""
+    """If a worker's run failed: call the others off, wait for them briefly, roll every stage back to
+    the last update all of them applied, and raise the first cause, saying which weights are left."""
     if not inbox.failures():
         return
     for worker in workers:
@@ -226,8 +227,40 @@ def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) ->
     with inbox.cond:
         inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers), timeout=_DRAIN_WAIT)
         failures = inbox.failures()
-    cause: StageError = first_cause(failures)
-    raise _explained(cause, driver.workers)
+        updates = {j: u for report in inbox.reports.values() for j, u in report.updates.items()}
+    error = _explained(first_cause(failures), driver.workers)
+    if updates:
+        note = _rolled_back(driver, updates)
+        if hasattr(error, "add_note"):  # (Python 3.11+; shown under the message)
+            error.add_note(note)
+        else:
+            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+    raise error
+
+
+def _rolled_back(driver: Any, updates: dict[int, int]) -> str:
+    """Roll every stage back to the fewest updates any stage applied; what the weights are now."""
+    n = len(driver.infos)
+    missing = [j for j in range(n) if j not in updates]
+    if missing:
+        return (f"The stages' updates were not rolled back: stage(s) {missing} did not report (their worker is "
+                f"gone); the others applied {updates} updates. Rebuild the pipe and load a checkpoint.")
+    applied = min(updates.values())
+    problems = []
+    for j, u in updates.items():
+        if u > applied:
+            try:
+                why = rpc.rpc_sync(driver.workers[j], streamed.roll_back, args=(driver.pipe_id, j, applied),
+                                   timeout=driver.rpc_timeout)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            if why is not None:
+                problems.append(f"stage {j} ({u} updates) could not be rolled back: {why}")
+    if problems:
+        return "; ".join(problems) + f". The other stages hold the weights after {applied} updates."
+    return (f"Every stage now holds the weights (and optimizer state) after {applied} update(s), those of "
+            f"batches 0-{applied - 1}: the last update every stage had applied." if applied else
+            "Every stage holds its initial weights: no update had been applied everywhere.")
 
 
 
@@ -294,7 +327,7 @@ def stream(pipe: Any, inputs: Iterable[Any], in_flight: int | None) -> Iterator[
     if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1):
         raise ValueError(f"in_flight must be a positive number of batches, got {in_flight!r}")
     if isinstance(pipe._driver, LocalDriver) or not pipe._driver.infos:  # one process: nothing to overlap
-        return (pipe(item).local_value() for item in inputs)  # type: ignore[union-attr]
+        return (pipe(item).local_value() for item in inputs)
     driver = pipe._driver
     request = StreamRequest(in_flight=in_flight or default_in_flight(len(driver.infos), driver.chunks))
     results = run(driver, inputs, request, training=pipe.training, spread=pipe.call_style == "2.x",

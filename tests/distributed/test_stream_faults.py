@@ -4,6 +4,7 @@ clean stop, no thread left on the workers, and a pipe that works afterwards; wha
 stop is finished and applied (the weights equal the rule's simulation over exactly those batches)."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -41,15 +42,24 @@ def fresh(pipe: Pipe):
     return pipe.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
-def assert_weights_after(pipe: Pipe, fed: list) -> None:
-    """The pipe's weights are the rule's after exactly the batches ``fed``."""
+def assert_weights_after(pipe: Pipe, fed: list, optimizer=None) -> None:
+    """The pipe's weights (and the optimizer's momentum, if given) are the rule's after exactly the
+    batches ``fed``."""
     plain = model()
     forward, _ = rule("PipeDream-2BW", 2, 2)
-    _, expected = simulate(plain, stage_names(plain, BALANCE), fed, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                           2, forward)
+    names = stage_names(plain, BALANCE)
+    optimizers: list = []
+    _, expected = simulate(plain, names, fed, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 2, forward,
+                           optimizers_out=optimizers)
     state = pipe.state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
+    if optimizer is not None:
+        saved = optimizer.state_dict()["state"]
+        for stage, opt in zip(names, optimizers):
+            for name, p in zip(stage, opt.param_groups[0]["params"]):
+                torch.testing.assert_close(saved[name]["momentum_buffer"], opt.state[p]["momentum_buffer"],
+                                           msg=lambda m, name=name: f"momentum of {name}: {m}")
 
 
 def assert_no_stream_threads(pipe: Pipe) -> None:
@@ -70,6 +80,11 @@ def test_a_layer_raising_mid_stream_names_stage_worker_batch_and_micro_batch(pip
     assert "batch 3" in str(error) and "boom: sentinel" in str(error)
     assert len(seen) <= 3
     assert_no_stream_threads(pipe)
+    # every stage was rolled back to the last update all had applied, and the note says which
+    note = error.__notes__[-1]
+    applied = int(re.search(r"after (\d+) update", note).group(1))
+    assert 0 < applied <= 3, note
+    assert_weights_after(pipe, data[:applied], optimizer)
     optimizer = fresh(pipe)  # usable afterwards: a clean stream follows the rule from the start
     clean = batches(3, 4, seed=2)
     assert len(list(pipe.train_stream(clean, F.cross_entropy, optimizer))) == 3

@@ -48,16 +48,19 @@ def stage_names(model: nn.Module, balance: Sequence[int]) -> list[list[str]]:
 
 
 def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tensor, Tensor]], make_opt: Any,
-             chunks: int, forward: Version, backward: Version | None = None, make_scheduler: Any = None
-             ) -> tuple[list[float], dict[str, Tensor]]:
+             chunks: int, forward: Version, backward: Version | None = None, make_scheduler: Any = None,
+             optimizers_out: list[Any] | None = None) -> tuple[list[float], dict[str, Tensor]]:
     """The rule in one process: micro-batch (t, i) runs stage j's parameters at version ``forward(t, i, j)``
     and, if ``backward`` is given, backpropagates through the weights of version ``backward(t, i, j)``
-    (PipeMare); every stage then steps its own optimizer with batch t's row-weighted mean gradient."""
+    (PipeMare); every stage then steps its own optimizer with batch t's row-weighted mean gradient.
+    ``optimizers_out`` receives each stage's optimizer."""
     stage_of = {k: j for j, stage in enumerate(names) for k in stage}
     history = [{k: p.detach().clone() for k, p in model.named_parameters()}]  # history[u] = W(u)
     live = {k: nn.Parameter(v.clone()) for k, v in history[0].items()}
     optimizers = [make_opt([live[k] for k in stage]) for stage in names]
     schedulers = [make_scheduler(o) for o in optimizers] if make_scheduler else []
+    if optimizers_out is not None:
+        optimizers_out.extend(optimizers)
     losses = []
     for t, (x, y) in enumerate(data):
         xs, ys = x.chunk(chunks), y.chunk(chunks)
