@@ -17,6 +17,7 @@ from tests.conftest import parameter_drifts
 from tests.multihost.netlab import IFNAME
 
 STEPS = 2
+STREAM_BATCHES = 4
 
 
 def check_stage_traffic(lab, result, moved):
@@ -43,11 +44,14 @@ def test_worker_entry_point_on_other_hosts(make_lab):
 def test_torchrun_two_nodes(make_lab):
     """One script under ``torchrun --nnodes 2`` (c10d rendezvous): rank 0 on node 0 drives, node 1's two
     ranks serve the stages and exit when the driver is done; the driver code runs on rank 0 only. The
-    script then trains the same way with ``pipe.train_step`` under 1F1B, across the hosts."""
+    script then trains the same way with ``pipe.train_step`` under 1F1B, across the hosts; then a
+    PipeDream-2BW ``pipe.train_stream`` of 4 batches equals the single-process simulation of its rule
+    (losses and parameters), and ``pipe.stream`` under ``no_grad`` equals the plain model."""
     lab = make_lab(2)
     node0, node1 = lab.hosts
     before = {h: lab.counters(h) for h in lab.hosts}
-    script = [CHECK_SCRIPT, "--interface", IFNAME, "--steps", str(STEPS), "--schedule", "1F1B"]
+    script = [CHECK_SCRIPT, "--interface", IFNAME, "--steps", str(STEPS), "--schedule", "1F1B",
+              "--stream", "PipeDream-2BW", "--stream-batches", str(STREAM_BATCHES)]
     procs = [lab.spawn(node0, torchrun_cmd(node0, node0, 1, script), name="node0"),
              lab.spawn(node1, torchrun_cmd(node1, node0, 2, script), name="node1")]
     codes = wait_all(lab, procs, timeout=130)
@@ -55,7 +59,10 @@ def test_torchrun_two_nodes(make_lab):
     result = result_of(lab, "node0")
     assert result["rank"] == 0 and result["workers"] == ["worker1", "worker2"]
     assert "RESULT " not in lab.output("node1"), "the driver's code ran on a stage-worker rank"
-    assert lab.output("node0").count("1F1B step") == STEPS, lab.output("node0")
+    out = lab.output("node0")
+    assert out.count("1F1B step") == STEPS, out
+    assert out.count("PipeDream-2BW train_stream batch") == STREAM_BATCHES, out
+    assert f"PipeDream-2BW stream: {STREAM_BATCHES} outputs equal the plain model's" in out, out
     moved = traffic(lab, before)
     assert_at_least(moved, node0, "tx", STEPS * result["input_bytes"], "the inputs sent to stage 0")
     assert_at_least(moved, node1, "rx", STEPS * result["input_bytes"], "the inputs stage 0 received")
