@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import StepLR
 from rrefpipe import Pipe
 from rrefpipe.optim import RemoteLRScheduler
 from rrefpipe.schedule import pipemare_forward_version, weight_version
+from tests.distributed.test_any_model import gpt, lm_loss, token_batches
 from tests.layers import PopAdd, StashInput, mlp, twin
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,7 +50,8 @@ def stage_names(model: nn.Module, balance: Sequence[int]) -> list[list[str]]:
 
 def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tensor, Tensor]], make_opt: Any,
              chunks: int, forward: Version, backward: Version | None = None, make_scheduler: Any = None,
-             optimizers_out: list[Any] | None = None) -> tuple[list[float], dict[str, Tensor]]:
+             optimizers_out: list[Any] | None = None, loss_fn: Callable[[Any, Any], Tensor] = F.cross_entropy
+             ) -> tuple[list[float], dict[str, Tensor]]:
     """The rule in one process: micro-batch (t, i) runs stage j's parameters at version ``forward(t, i, j)``
     and, if ``backward`` is given, backpropagates through the weights of version ``backward(t, i, j)``
     (PipeMare); every stage then steps its own optimizer with batch t's row-weighted mean gradient.
@@ -69,7 +71,7 @@ def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tens
         for i, (xi, yi) in enumerate(zip(xs, ys)):
             share = len(xi) / len(x)
             leaves = {k: history[forward(t, i, stage_of[k])][k].clone().requires_grad_() for k in live}
-            loss = F.cross_entropy(functional_call(model, leaves, (xi,)), yi)
+            loss = loss_fn(functional_call(model, leaves, (xi,)), yi)
             if backward is not None:
                 for k, leaf in leaves.items():
                     leaf.data.copy_(history[backward(t, i, stage_of[k])][k])
@@ -236,3 +238,38 @@ def test_a_long_stream_keeps_memory_flat(cluster):
         after = [_rss_kib(pid) for pid in pids]
     growth = [(a - b) / 1024 for a, b in zip(after, before)]
     assert all(g < 3 for g in growth), f"RSS grew by {growth} MiB (driver, workers) over 800 inputs"
+
+
+def test_a_captured_gpt_follows_the_rule(cluster):
+    """The tiny GPT captured by torch.export and split in two (its head untied from the embedding: tied
+    copies on two stages would be updated apart), under PipeDream-2BW with Adam, against the rule."""
+    model = gpt(seed=12)
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())
+    plain = twin(model)
+    data = token_batches(5, rows=4, seed=13)
+    first = ("tok.", "pos.", "blocks.0.", "blocks.1.")  # stage 0 (the split is at blocks.2)
+    names = [[k for k, _ in plain.named_parameters() if k.startswith(first)],
+             [k for k, _ in plain.named_parameters() if not k.startswith(first)]]
+    make_opt = lambda p: torch.optim.Adam(p, lr=0.003, eps=1e-4)  # noqa: E731  (eps: see test_any_model's ADAM)
+    forward, _ = rule("PipeDream-2BW", 2, 2)
+    expected, weights = simulate(plain, names, data, make_opt, 2, forward, loss_fn=lm_loss)
+    with Pipe(model, chunks=2, split_points=["blocks.2"], sample=data[0][0], workers=cluster.names[:2],
+              schedule="PipeDream-2BW") as pipe:
+        optimizer = pipe.optimizer(torch.optim.Adam, lr=0.003, eps=1e-4)
+        losses = [loss.item() for loss in pipe.train_stream(data, lm_loss, optimizer)]
+        state = pipe.state_dict()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected))  # (float32's tolerance)
+    for name, value in weights.items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_tied_copies_on_two_stages_are_refused_under_an_asynchronous_rule(cluster):
+    model = gpt(seed=14)
+    x, y = token_batches(1, rows=4)[0]
+    with Pipe(model, chunks=2, split_points=["blocks.2"], sample=x, workers=cluster.names[:2],
+              schedule="PipeDream") as pipe:
+        optimizer = pipe.optimizer(torch.optim.SGD, lr=0.1)
+        with pytest.raises(ValueError, match="tied across stages.*synchronous schedule"):
+            next(pipe.train_stream([(x, y)], lm_loss, optimizer))
+        with torch.no_grad():  # a forward stream has nothing to update: it runs
+            torch.testing.assert_close(next(pipe.stream([x])), model(x))
