@@ -107,7 +107,11 @@ class Pipe(nn.Module):
             and the weights' and runs the latter where a worker would wait: ``'InterleavedZeroBubble'``
             (ZB1P, any ``stages_per_worker``), ``'ZBVZeroBubble'`` and ``'DualPipeV'`` (two stages per
             worker in a V); in any case; see the guide's "Choosing a schedule". ``pipe(x)`` with
-            ``pipe.backward`` always runs GPipe's order.
+            ``pipe.backward`` always runs GPipe's order. The continuous schedules ``'PipeDream'``,
+            ``'PipeDream-2BW'`` and ``'PipeMare'`` (one stage per worker) are for :meth:`train_stream`,
+            which never flushes the pipeline and updates each stage's weights while later batches are
+            in flight (the guide's "Asynchronous pipelines and streaming"); one ``train_step`` of them
+            runs as ``'1F1B'``. ``'PipeMare'`` needs ``checkpoint='never'``.
         stages_per_worker: stages on each worker, for ``'Interleaved1F1B'`` and
             ``'InterleavedZeroBubble'`` (stage j runs on worker j mod p, p = stages / stages_per_worker),
             and 2 for the V-shaped ``'ZBVZeroBubble'`` and ``'DualPipeV'`` (stage j on worker j for
@@ -117,6 +121,9 @@ class Pipe(nn.Module):
             arguments and gives its output as it is (a tuple, dict or ``ModelOutput``); ``state_dict()``
             has the model's keys. A parameter several stages use (an embedding tied to the output head)
             has a copy on each, whose gradients ``pipe.backward`` and ``train_step`` sum.
+        vertical_sync: ``schedule='PipeDream'`` only: every stage runs batch t on the weight version
+            stage 0 uses (max(t - ceil((n - 1) / chunks), 0) updates), so that a batch sees one version
+            throughout the pipeline.
 
     Raises:
         CaptureError: ``torch.export`` cannot capture the module (names the submodule, torch's reason and
@@ -125,8 +132,9 @@ class Pipe(nn.Module):
             skippable layers do not match
             (:func:`~rrefpipe.skip.verify_skippables`).
         ValueError: invalid ``chunks``, ``checkpoint``, ``balance``, ``workers`` or ``devices``; an unknown
-            ``schedule``, a ``stages_per_worker`` that does not divide the stages, or ``chunks`` that the
-            schedule cannot run; an
+            ``schedule``, a ``stages_per_worker`` that does not divide the stages (or above 1 under a
+            continuous schedule), or ``chunks`` that the schedule cannot run; ``vertical_sync`` without
+            ``'PipeDream'``; ``'PipeMare'`` with checkpointing; an
             empty ``module``; a layer that appears twice; a stage whose parameters span devices.
         StageError: a stage could not be built on its worker (names the stage and worker).
     """

@@ -20,7 +20,8 @@ def _flags(*command: str) -> set[str]:
 # Each command line and the API page that documents it: python -m workers on "Stage workers", python -m
 # rrefpipe on "Command line".
 _COMMANDS = [("workers.md", ("-m", "workers")), ("cli.md", ("-m", "rrefpipe", "timeline")),
-             ("cli.md", ("-m", "rrefpipe", "demo")), ("cli.md", ("-m", "rrefpipe", "tutorial"))]
+             ("cli.md", ("-m", "rrefpipe", "demo")), ("cli.md", ("-m", "rrefpipe", "tutorial")),
+             ("cli.md", ("-m", "rrefpipe", "schedule"))]
 
 
 @pytest.mark.parametrize("name,command", _COMMANDS, ids=[" ".join(c[1:]) for _, c in _COMMANDS])
