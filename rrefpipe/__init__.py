@@ -6,10 +6,11 @@ from .grad_scaler import GradScaler
 from .local import InProcessWarning
 from .output import PipeRRef, RemotePipeRRef
 from .pipe import Pipe
+from .schedule import PipeMareOptions
 from .stage import StageInfo
 from .trace import Event, format_events
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
            "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
-           "CaptureError"]
+           "CaptureError", "PipeMareOptions"]
 __version__ = "0.1.0"

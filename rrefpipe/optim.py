@@ -216,6 +216,11 @@ class RemoteLRScheduler:
             raise TypeError(_ON_METRIC)
         self._schedulers = [rref for rref, _ in built]
 
+    def stage_scheduler_id(self, optimizer: PipeOptimizer) -> int | None:
+        """The id under which the stage workers keep this scheduler, if it was built on ``optimizer``
+        (an asynchronous ``train_stream`` has each stage step it after its own update)."""
+        return self._stages.id if self._stages is not None and self._stages.owner is optimizer else None
+
     def _each(self, method: str, per_worker: list[tuple[Any, ...]] | None = None) -> list[Any]:
         if self._stages is not None:
             return self._stages.call(method, per_worker)

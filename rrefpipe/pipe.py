@@ -26,7 +26,7 @@ from .local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
 from .output import PipeRRef, RemotePipeRRef
 from .pipe_optimizer import PipeOptimizer
-from .schedule import check_schedule, parse_schedule
+from .schedule import PipeMareOptions, check_schedule, parse_schedule
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
 from .seeding import driver_seed
@@ -487,7 +487,7 @@ class Pipe(nn.Module):
         return pipe_optimizer.build(self, cls, **kwargs)
 
     def train_stream(self, batches: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor], optimizer: Any, *,
-                     lr_scheduler: Any = None) -> Iterator[Tensor]:
+                     lr_scheduler: Any = None, pipemare: PipeMareOptions | None = None) -> Iterator[Tensor]:
         """Train on every ``(input, target)`` pair of ``batches``; yields each batch's loss (detached, the
         row-weighted mean of its micro-batch losses, as :meth:`train_step` returns it), in order.
 
@@ -509,7 +509,7 @@ class Pipe(nn.Module):
                 was fed before it is finished first), an optimizer that is not the pipe's under an
                 asynchronous schedule, a pipe in one process under one.
         """
-        return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler)
+        return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler, pipemare)
 
     def stream(self, inputs: Iterable[Any], *, in_flight: int | None = None) -> Iterator[Any]:
         """Forward every input of ``inputs`` (each as ``pipe(x)`` takes it, split into ``chunks``

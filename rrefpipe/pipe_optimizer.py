@@ -311,6 +311,15 @@ class StageSchedulers:
     def __len__(self) -> int:
         return len(self._owner._stages)
 
+    @property
+    def id(self) -> int:
+        """The scheduler's key on the workers (``stage_optim.scheduler``)."""
+        return self._id
+
+    @property
+    def owner(self) -> PipeOptimizer:
+        return self._owner
+
     def call(self, method: str, per_stage: list[tuple[Any, ...]] | None = None) -> list[Any]:
         """``scheduler.method(*per_stage[j])`` on every stage j (no arguments without ``per_stage``)."""
         stages = self._owner._stages

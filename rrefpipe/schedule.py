@@ -35,10 +35,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["CHECKPOINT_MODES", "checkpoint_stop", "clock_cycles", "ideal_efficiency",
-           "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "ASYNC_SCHEDULES", "Action", "Simulation", "parse_schedule",
+           "SCHEDULES", "SPLIT_SCHEDULES", "V_SCHEDULES", "ASYNC_SCHEDULES", "PipeMareOptions", "Action", "Simulation", "parse_schedule",
            "is_split", "is_v_shaped", "is_async", "step_schedule", "check_schedule", "stage_layout", "stage_worker",
            "worker_orders", "check_orders", "peak_in_flight", "worker_peaks", "simulate", "format_orders",
            "weight_version", "pipemare_forward_version", "weight_buffers", "stream_order", "stream_orders",
@@ -757,6 +758,43 @@ def pipemare_forward_version(t: int, i: int, j: int, stages: int, chunks: int) -
     if not 0 <= j < stages or t < 0 or not 0 <= i < chunks:
         raise ValueError(f"no micro-batch {i} of {chunks}, stage {j} of {stages} or batch {t}")
     return max((t * chunks + i - (stages - 1 - j)) // chunks, 0)
+
+
+@dataclass(frozen=True)
+class PipeMareOptions:
+    """PipeMare's two techniques (Yang et al., "PipeMare: Asynchronous Pipeline Parallel DNN Training",
+    MLSys 2021, section 3), both off by default, with stage j's delay tau_j = max(d_j, 1) updates
+    (d_j = ceil((n - 1 - j) / m), the most updates between a micro-batch's forward and its backward):
+
+    - ``warmup_updates = K`` > 0, learning-rate rescheduling (T1): stage j's update k (k = 0, 1, ...)
+      steps with lr * tau_j ** -p_k, p_k = max(1 - k / K, 0): early updates, whose gradients are the
+      most stale relative to the weights they change, are damped by the delay, annealed to the plain lr.
+    - ``discrepancy_correction=True`` (T2): a backward reads, instead of the current weights W, the
+      forward's weights as predicted from the recent updates: W - delta_f * v, where delta_f is the
+      number of updates since the micro-batch's forward and v an exponential moving average of the
+      stage's per-update weight change, v <- g v + (1 - g) (W_new - W_old), g = ``decay`` ** (1 / tau_j).
+    """
+
+    warmup_updates: int = 0
+    discrepancy_correction: bool = False
+    decay: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup_updates, int) or self.warmup_updates < 0:
+            raise ValueError(f"warmup_updates must be a non-negative int, got {self.warmup_updates!r}")
+        if not 0 <= self.decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
+
+    def lr_factor(self, j: int, update: int, stages: int, chunks: int) -> float:
+        """T1's factor on stage j's learning rate for its update number ``update`` (1 when off)."""
+        if not self.warmup_updates:
+            return 1.0
+        p = max(1 - update / self.warmup_updates, 0.0)
+        return float(max(_delay(stages, j, chunks), 1) ** -p)
+
+    def ema_decay(self, j: int, stages: int, chunks: int) -> float:
+        """T2's g on stage j."""
+        return float(self.decay ** (1 / max(_delay(stages, j, chunks), 1)))
 
 
 def weight_buffers(schedule: str, stages: int, j: int, chunks: int, *, vertical_sync: bool = False) -> int:

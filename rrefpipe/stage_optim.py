@@ -102,6 +102,11 @@ def schedulers(pipe_id: str, opt_id: int, j: int) -> list[Any]:
     return [scheduled.scheduler for scheduled in _stage(pipe_id, opt_id, j).schedulers.values()]
 
 
+def scheduler(pipe_id: str, opt_id: int, j: int, scheduler_id: int) -> Any:
+    """The learning-rate scheduler ``scheduler_id`` built on stage ``j``'s optimizer."""
+    return _stage(pipe_id, opt_id, j).schedulers[scheduler_id].scheduler
+
+
 def lock(pipe_id: str, opt_id: int) -> threading.Lock:
     """The lock this worker's stages of the optimizer share: whoever steps, reads or changes one holds it."""
     try:

@@ -36,7 +36,7 @@ from .autocast import AutocastRegion
 from .errors import Failure
 from .loss import weights
 from .microbatch import TensorOrTensors
-from .schedule import Action, checkpoint_stop, pipemare_forward_version, stream_order, weight_version
+from .schedule import Action, PipeMareOptions, checkpoint_stop, stream_order, weight_version
 from . import server
 from .scheduled import Payload, StepPlan, StepReport, _mailbox, _own_storage, _StepRun
 from .skip.tracker import SkipKey
@@ -69,7 +69,8 @@ class StreamPlan:
     vertical_sync: bool = False
     optimizer: int | None = None  # the pipe optimizer's id on the workers (training)
     undo_depth: int = 0  # the updates each stage can undo after a failure (training)
-    step_schedulers: bool = False  # each stage steps its optimizer's LR schedulers after its update
+    pipemare: PipeMareOptions | None = None  # PipeMare's rescheduling and correction
+    scheduler: int | None = None  # the LR scheduler each stage steps after its update (its id on the workers)
     spread: bool = False
     autocast: tuple[AutocastRegion, ...] = ()
 
@@ -148,6 +149,10 @@ class _StreamRun(_StepRun):
         for j in mine:
             _undo.pop((pipe_id, j), None)  # an earlier stream's, never rolled back
         self.forwarded = -1  # the last batch whose first forward ran here
+        correcting = plan.pipemare is not None and plan.pipemare.discrepancy_correction
+        self.forward_updates: dict[int, int] | None = {} if correcting else None  # g -> updates at its forward
+        self.velocity = {j: {name: torch.zeros_like(p) for name, p in v.params.items()}
+                         for j, v in self.versions.items()} if correcting else {}  # PipeMare's T2, per stage
         self.action: Action | None = None
         self.meta = StepMeta(step=plan.step, chunks=plan.chunks, checkpoint_stop=0, grad_enabled=not plan.forward_only,
                              driver=plan.driver, timeout=plan.timeout)
@@ -271,7 +276,28 @@ class _StreamRun(_StepRun):
             if i == 0:
                 batch.leaves[j] = self._leaves(j, t)
             params = batch.leaves[j]
+            if self.forward_updates is not None:
+                self.forward_updates[g] = self.versions[j].updates
         return self.servers[j].stage.run(batch.meta, i, value, (), received, params=params)
+
+    def _backward(self, j: int, g: int, split: bool = False) -> None:
+        """As a step's; with PipeMare's discrepancy correction, on the weights predicted for the forward:
+        W - delta * v (``PipeMareOptions``), written into the live storage the batch's leaves alias, and
+        the current weights put back after."""
+        if self.forward_updates is None:
+            return super()._backward(j, g, split)
+        params = self.versions[j].params
+        delta = self.versions[j].updates - self.forward_updates.pop(g)
+        if not delta:
+            return super()._backward(j, g, split)
+        current = {name: p.data.clone() for name, p in params.items()}
+        for name, p in params.items():
+            p.data.sub_(self.velocity[j][name], alpha=delta)
+        try:
+            super()._backward(j, g, split)
+        finally:
+            for name, p in params.items():
+                p.data.copy_(current[name])
 
     def _leaves(self, j: int, t: int) -> dict[str, Tensor]:
         """The leaves batch t runs on at stage j: the version its rule gives (PipeMare: the live weights,
@@ -322,18 +348,31 @@ class _StreamRun(_StepRun):
         keep = s.schedule != "PipeMare" and weight_version(
             s.schedule, self.forwarded + 1, j, s.stages, s.chunks, vertical_sync=s.vertical_sync) <= versions.updates
 
-        schedulers = stage_optim.schedulers(self.pipe_id, opt_id, j) if s.step_schedulers else []
+        schedulers = [] if s.scheduler is None else [stage_optim.scheduler(self.pipe_id, opt_id, j, s.scheduler)]
+        factor = 1.0 if s.pipemare is None else s.pipemare.lr_factor(j, versions.updates, s.stages, s.chunks)
         states: list[Any] = []
 
         def step() -> None:
             with stage_optim.lock(self.pipe_id, opt_id):
                 states[:] = [copy.deepcopy(optimizer.state_dict()), [copy.deepcopy(x.state_dict()) for x in schedulers]]
-                optimizer.step()
+                lrs = [group["lr"] for group in optimizer.param_groups]
+                for group in optimizer.param_groups:  # PipeMare's rescheduling (T1): this update only
+                    group["lr"] = group["lr"] * factor
+                try:
+                    optimizer.step()
+                finally:
+                    for group, lr in zip(optimizer.param_groups, lrs):
+                        group["lr"] = lr
                 for scheduler in schedulers:
                     scheduler.step()
 
         before = versions.update(leaves, step, keep=keep)
         self.undo[j].append(_Undo(versions.updates - 1, before, *states))
+        if j in self.velocity:  # PipeMare's T2: the moving average of this stage's updates
+            assert s.pipemare is not None
+            decay = s.pipemare.ema_decay(j, s.stages, s.chunks)
+            for name, p in versions.params.items():
+                self.velocity[j][name].mul_(decay).add_(p.data - before[name], alpha=1 - decay)
 
     def _deliver(self, t: int, value: Any) -> None:
         """Batch t's losses or output to the driver, as soon as the last stage has them all."""

@@ -12,6 +12,7 @@ A failure anywhere calls the stream off on every worker, as a failed step is (:m
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -32,7 +33,7 @@ from .diagnosis import first_cause
 from .errors import Failure, StageError
 from .loss import mean_loss, split_target
 from .microbatch import TensorOrTensors
-from .schedule import is_async
+from .schedule import PipeMareOptions, is_async
 from .streamed import StreamPlan, StreamReport
 from .training import _explained
 
@@ -73,8 +74,9 @@ class StreamRequest:
     in_flight: int
     loss_fn: bytes | None = None  # None: forward only
     optimizer: int | None = None
-    step_schedulers: bool = False
+    scheduler: int | None = None
     vertical_sync: bool = False
+    pipemare: PipeMareOptions | None = None
 
 
 def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training: bool, spread: bool,
@@ -93,8 +95,9 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
         workers=tuple(workers), skip_sources={key: j for j, info in enumerate(driver.infos) for key in info.stashes},
         driver=_rpc.self_name(), deliver=deliver, timeout=driver.rpc_timeout, forward_only=forward_only,
         training=training, vertical_sync=request.vertical_sync, optimizer=request.optimizer,
-        step_schedulers=request.step_schedulers, spread=spread, autocast=autocast.capture(),
-        undo_depth=request.in_flight + 1)  # stages differ by at most the batches in flight
+        scheduler=request.scheduler, spread=spread, autocast=autocast.capture(),
+        undo_depth=request.in_flight + 1,  # stages differ by at most the batches in flight
+        pipemare=request.pipemare)
     inbox = _inboxes[(driver.pipe_id, step)] = _Inbox()
     driver.streaming = True
     first, last = workers[0], workers[n - 1]
@@ -155,6 +158,9 @@ def _finish(driver: Any, inbox: _Inbox, step: int, batches: int, workers: list[s
                                    timeout=driver.rpc_timeout)
     if not done:
         late = [w for i, w in enumerate(workers) if i not in inbox.reports]
+        for worker in late:  # called off: none keeps running
+            with contextlib.suppress(Exception):
+                rpc.rpc_async(worker, scheduled.abort, args=(driver.pipe_id, step), timeout=_DRAIN_WAIT)
         with inbox.cond:
             for i, worker in enumerate(workers):
                 inbox.reports.setdefault(i, StreamReport(failure=Failure(
@@ -271,26 +277,42 @@ def default_in_flight(stages: int, chunks: int) -> int:
     return -(-(stages - 1) // chunks) + 2
 
 
-def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any = None
-                 ) -> Iterator[Tensor]:
+def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any = None,
+                 pipemare: PipeMareOptions | None = None) -> Iterator[Tensor]:
     """``Pipe.train_stream``: a loop of train steps under a synchronous schedule, a continuous pipeline
     under an asynchronous one."""
     from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
 
+    if pipemare is not None and (pipe.schedule != "PipeMare" or not isinstance(pipemare, PipeMareOptions)):
+        raise ValueError(f"pipemare= takes rrefpipe.PipeMareOptions, for schedule='PipeMare' only (this pipe's is "
+                         f"{pipe.schedule!r}), got {type(pipemare).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not is_async(pipe.schedule):
+        if not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must have step(context_id) (pipe.optimizer(...) or a DistributedOptimizer), "
+                            f"got {type(optimizer).__name__}")
         return _train_loop(pipe, batches, loss_fn, optimizer, lr_scheduler)
     if not isinstance(optimizer, PipeOptimizer):
         raise TypeError(f"train_stream under {pipe.schedule} steps the stages' optimizers inside the pipeline: pass "
                         f"the pipe's own, pipe.optimizer(torch.optim.SGD, lr=...), not a {type(optimizer).__name__}")
     driver = _remote(pipe, f"train_stream under {pipe.schedule}")
+    if len(set(driver.workers)) < len(driver.workers):
+        raise ValueError(f"{pipe.schedule} runs one stage per worker, and workers {driver.workers} hold several: name "
+                         "a worker for each stage")
+    scheduler = None
+    if lr_scheduler is not None:
+        scheduler = getattr(lr_scheduler, "stage_scheduler_id", lambda _: None)(optimizer)
+        if scheduler is None:
+            raise TypeError(f"under {pipe.schedule} each stage steps lr_scheduler after its own update: pass an "
+                            "rrefpipe.optim.RemoteLRScheduler built on this optimizer, not a "
+                            f"{type(lr_scheduler).__name__}")
     if replicas.current() is not None:
         raise ValueError(f"{pipe.schedule} with replicas is not supported: each replica would update its weights on "
                          "its own; train replicas with a synchronous schedule")
     if driver.tied:
         raise ValueError(f"{pipe.schedule}: this captured model has parameters tied across stages, whose copies would "
                          "be updated apart by each stage's own optimizer; train it with a synchronous schedule")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("train_stream under torch.no_grad(): training needs gradients; for inference use "
                            "pipe.stream(inputs)")
@@ -298,7 +320,8 @@ def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any
         loss_fn = StructuredLoss(loss_fn, pipe._captured.outputs)
     request = StreamRequest(in_flight=default_in_flight(len(driver.infos), driver.chunks),
                             loss_fn=_pickled_loss(loss_fn), optimizer=optimizer.id,
-                            step_schedulers=lr_scheduler is not None, vertical_sync=pipe.vertical_sync)
+                            scheduler=scheduler, vertical_sync=pipe.vertical_sync,
+                            pipemare=pipemare)
     return run(driver, batches, request, training=pipe.training, spread=pipe.call_style == "2.x",
                prepare=lambda item: _pair(pipe, item))
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.optim.lr_scheduler import StepLR
 
-from rrefpipe import Pipe
+from rrefpipe import Pipe, PipeMareOptions
 from rrefpipe.optim import RemoteLRScheduler
 from rrefpipe.schedule import pipemare_forward_version, weight_version
 from tests.distributed.test_any_model import gpt, lm_loss, token_batches
@@ -50,12 +50,18 @@ def stage_names(model: nn.Module, balance: Sequence[int]) -> list[list[str]]:
 
 def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tensor, Tensor]], make_opt: Any,
              chunks: int, forward: Version, backward: Version | None = None, make_scheduler: Any = None,
-             optimizers_out: list[Any] | None = None, loss_fn: Callable[[Any, Any], Tensor] = F.cross_entropy
+             optimizers_out: list[Any] | None = None, loss_fn: Callable[[Any, Any], Tensor] = F.cross_entropy,
+             lr_factor: Callable[[int, int], float] | None = None, correction: Callable[[int], float] | None = None
              ) -> tuple[list[float], dict[str, Tensor]]:
     """The rule in one process: micro-batch (t, i) runs stage j's parameters at version ``forward(t, i, j)``
     and, if ``backward`` is given, backpropagates through the weights of version ``backward(t, i, j)``
     (PipeMare); every stage then steps its own optimizer with batch t's row-weighted mean gradient.
-    ``optimizers_out`` receives each stage's optimizer."""
+    ``optimizers_out`` receives each stage's optimizer.
+
+    PipeMare's options, as the guide states them: ``lr_factor(j, k)`` multiplies stage j's learning rate
+    for its update k only (T1); with ``correction(j)`` = g_j (T2) the backward reads W(b) - (b - f) v_j(b)
+    instead of W(b) (b, f: the backward's and forward's versions), v_j(u + 1) = g_j v_j(u) + (1 - g_j)
+    (W(u + 1) - W(u)), v_j(0) = 0."""
     stage_of = {k: j for j, stage in enumerate(names) for k in stage}
     history = [{k: p.detach().clone() for k, p in model.named_parameters()}]  # history[u] = W(u)
     live = {k: nn.Parameter(v.clone()) for k, v in history[0].items()}
@@ -63,6 +69,7 @@ def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tens
     schedulers = [make_scheduler(o) for o in optimizers] if make_scheduler else []
     if optimizers_out is not None:
         optimizers_out.extend(optimizers)
+    velocity = [{k: torch.zeros_like(v) for k, v in history[0].items()}]  # velocity[u] = v(u)
     losses = []
     for t, (x, y) in enumerate(data):
         xs, ys = x.chunk(chunks), y.chunk(chunks)
@@ -74,20 +81,29 @@ def simulate(model: nn.Module, names: list[list[str]], data: Sequence[tuple[Tens
             loss = loss_fn(functional_call(model, leaves, (xi,)), yi)
             if backward is not None:
                 for k, leaf in leaves.items():
-                    leaf.data.copy_(history[backward(t, i, stage_of[k])][k])
+                    b, f = backward(t, i, stage_of[k]), forward(t, i, stage_of[k])
+                    leaf.data.copy_(history[b][k] - (b - f) * velocity[b][k] if correction else history[b][k])
             (loss * share).backward()
             loss_t += share * loss.item()
             for k, leaf in leaves.items():
                 if leaf.grad is not None:
                     grads[k] = grads[k] + leaf.grad if k in grads else leaf.grad
-        for optimizer, stage in zip(optimizers, names):
+        for j, (optimizer, stage) in enumerate(zip(optimizers, names)):
             for k in stage:
                 live[k].grad = grads.get(k)
+            factor = lr_factor(j, t) if lr_factor else 1.0
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
             optimizer.step()
+            for group in optimizer.param_groups:
+                group["lr"] /= factor
             optimizer.zero_grad()
         for scheduler in schedulers:  # each stage's, after its own update
             scheduler.step()
         history.append({k: p.detach().clone() for k, p in live.items()})
+        if correction:
+            velocity.append({k: correction(stage_of[k]) * velocity[-1][k] + (1 - correction(stage_of[k]))
+                             * (history[-1][k] - history[-2][k]) for k in live})
         losses.append(loss_t)
     return losses, history[-1]
 
@@ -273,3 +289,32 @@ def test_tied_copies_on_two_stages_are_refused_under_an_asynchronous_rule(cluste
             next(pipe.train_stream([(x, y)], lm_loss, optimizer))
         with torch.no_grad():  # a forward stream has nothing to update: it runs
             torch.testing.assert_close(next(pipe.stream([x])), model(x))
+
+
+@pytest.mark.parametrize("warmup,correct", [(3, False), (0, True), (4, True)])
+def test_pipemares_rescheduling_and_discrepancy_correction_follow_their_rules(cluster, warmup, correct):
+    """3 stages, chunks 1 (delays 2, 1, 1): T1 damps stage j's early updates by tau_j ** -p_k, T2 runs each
+    backward on the forward's weights as predicted from the moving average of the updates."""
+    model = mlp([5, 8, 8, 6, 3], seed=15)
+    plain = twin(model)
+    data = batches(6, 8, seed=16)
+    options = PipeMareOptions(warmup_updates=warmup, discrepancy_correction=correct)
+    forward, backward = rule("PipeMare", 3, 1)
+    names = stage_names(plain, [2, 3, 2])
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5)  # noqa: E731
+    lr_factor = (lambda j, k: options.lr_factor(j, k, 3, 1)) if warmup else None
+    correction = (lambda j: options.ema_decay(j, 3, 1)) if correct else None
+    expected, weights = simulate(plain, names, data, make_opt, 1, forward, backward, lr_factor=lr_factor,
+                                 correction=correction)
+    with Pipe(model, chunks=1, balance=[2, 3, 2], workers=cluster.names[:3], schedule="PipeMare",
+              checkpoint="never") as pipe:
+        optimizer = pipe.optimizer(torch.optim.SGD, lr=0.3, momentum=0.5)
+        losses = [loss.item() for loss in pipe.train_stream(data, F.cross_entropy, optimizer, pipemare=options)]
+        state = pipe.state_dict()
+        assert [g["lr"] for g in optimizer.param_groups] == [0.3] * 3  # T1 changes each update only
+    torch.testing.assert_close(losses, expected)
+    for name, value in weights.items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
+    _, plain_rule = simulate(mlp([5, 8, 8, 6, 3], seed=15), names, data, make_opt, 1, forward, backward)
+    with pytest.raises(AssertionError):  # the options changed the outcome: the test can tell them apart
+        torch.testing.assert_close({k: state[k] for k in plain_rule}, plain_rule)
