@@ -487,7 +487,8 @@ class Pipe(nn.Module):
         return pipe_optimizer.build(self, cls, **kwargs)
 
     def train_stream(self, batches: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor], optimizer: Any, *,
-                     lr_scheduler: Any = None, pipemare: PipeMareOptions | None = None) -> Iterator[Tensor]:
+                     lr_scheduler: Any = None, pipemare: PipeMareOptions | None = None,
+                     rollback: bool = True) -> Iterator[Tensor]:
         """Train on every ``(input, target)`` pair of ``batches``; yields each batch's loss (detached, the
         row-weighted mean of its micro-batch losses, as :meth:`train_step` returns it), in order.
 
@@ -500,16 +501,24 @@ class Pipe(nn.Module):
         done; which weights each batch uses is the schedule's rule (the guide's "Asynchronous pipelines
         and streaming"). ``batches`` is pulled lazily, at most ``ceil((stages - 1) / chunks) + 2`` batches
         ahead of the losses yielded. When it ends, or the loop is left (``break``), every batch fed is
-        finished and applied before the generator returns or closes.
+        finished and applied before the generator returns or closes. ``pipemare``: PipeMare's learning-rate
+        rescheduling and discrepancy correction (:class:`rrefpipe.PipeMareOptions`, off by default).
+
+        When a stage fails under an asynchronous schedule, every stage is rolled back to the last update
+        all of them had applied (weights, optimizer and LR-scheduler state), and the error's note says
+        which. For that each stage keeps the means to undo its last ``ceil(stages / chunks) + 1``
+        updates: that many copies of its optimizer state, taken at each update; ``rollback=False``
+        spares them, and a failure then leaves each stage where it was (the note says where).
 
         Raises:
             StageError: a stage or ``loss_fn`` failed (names the stage, worker, batch and micro-batch);
-                ``WorkerError`` for a dead or hung worker. The stream ends; the pipe stays usable.
+                ``WorkerError`` for a dead or hung worker (no rollback then: the stages of a dead worker are
+                gone). The stream ends; the pipe stays usable.
             TypeError, ValueError: an item that is not a pair of CPU tensors (names its position; what
                 was fed before it is finished first), an optimizer that is not the pipe's under an
                 asynchronous schedule, a pipe in one process under one.
         """
-        return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler, pipemare)
+        return streaming.train_stream(self, batches, loss_fn, optimizer, lr_scheduler, pipemare, rollback)
 
     def stream(self, inputs: Iterable[Any], *, in_flight: int | None = None) -> Iterator[Any]:
         """Forward every input of ``inputs`` (each as ``pipe(x)`` takes it, split into ``chunks``

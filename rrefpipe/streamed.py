@@ -354,7 +354,8 @@ class _StreamRun(_StepRun):
 
         def step() -> None:
             with stage_optim.lock(self.pipe_id, opt_id):
-                states[:] = [copy.deepcopy(optimizer.state_dict()), [copy.deepcopy(x.state_dict()) for x in schedulers]]
+                if s.undo_depth:  # (the copies cost a stage's optimizer state per update)
+                    states[:] = [copy.deepcopy(optimizer.state_dict()), [copy.deepcopy(x.state_dict()) for x in schedulers]]
                 lrs = [group["lr"] for group in optimizer.param_groups]
                 for group in optimizer.param_groups:  # PipeMare's rescheduling (T1): this update only
                     group["lr"] = group["lr"] * factor
@@ -367,7 +368,8 @@ class _StreamRun(_StepRun):
                     scheduler.step()
 
         before = versions.update(leaves, step, keep=keep)
-        self.undo[j].append(_Undo(versions.updates - 1, before, *states))
+        if s.undo_depth:
+            self.undo[j].append(_Undo(versions.updates - 1, before, *states))
         if j in self.velocity:  # PipeMare's T2: the moving average of this stage's updates
             assert s.pipemare is not None
             decay = s.pipemare.ema_decay(j, s.stages, s.chunks)

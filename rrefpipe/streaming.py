@@ -77,6 +77,7 @@ class StreamRequest:
     scheduler: int | None = None
     vertical_sync: bool = False
     pipemare: PipeMareOptions | None = None
+    undo_depth: int = 0  # updates each stage can undo after a failure (0: no rollback)
 
 
 def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training: bool, spread: bool,
@@ -96,7 +97,7 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
         driver=_rpc.self_name(), deliver=deliver, timeout=driver.rpc_timeout, forward_only=forward_only,
         training=training, vertical_sync=request.vertical_sync, optimizer=request.optimizer,
         scheduler=request.scheduler, spread=spread, autocast=autocast.capture(),
-        undo_depth=request.in_flight + 1,  # stages differ by at most the batches in flight
+        undo_depth=request.undo_depth,
         pipemare=request.pipemare)
     inbox = _inboxes[(driver.pipe_id, step)] = _Inbox()
     driver.streaming = True
@@ -135,7 +136,7 @@ def run(driver: Any, batches: Iterable[Any], request: StreamRequest, *, training
             yield result if forward_only else mean_loss(result, rows_of.pop(yielded))
             yielded += 1
         _finish(driver, inbox, step, fed, distinct)
-        _raise_failure(driver, inbox, step, distinct)
+        _raise_failure(driver, inbox, step, distinct, rollback=request.undo_depth > 0)
     except BaseException:
         # The caller left the loop (GeneratorExit), the iterable or an item failed, or the wait did: what
         # was fed is finished and applied, so that every stage ends on the same update.
@@ -220,7 +221,7 @@ def _end(pipe_id: str, workers: list[str], step: int, batches: int, timeout: flo
             pass  # a worker known to be gone: its run's report says so
 
 
-def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) -> None:
+def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str], rollback: bool) -> None:
     """If a worker's run failed: call the others off, wait for them briefly, roll every stage back to
     the last update all of them applied, and raise the first cause, saying which weights are left."""
     if not inbox.failures():
@@ -236,7 +237,7 @@ def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) ->
         updates = {j: u for report in inbox.reports.values() for j, u in report.updates.items()}
     error = _explained(first_cause(failures), driver.workers)
     if updates:
-        note = _rolled_back(driver, updates)
+        note = _rolled_back(driver, updates, rollback)
         if hasattr(error, "add_note"):  # (Python 3.11+; shown under the message)
             error.add_note(note)
         else:
@@ -244,10 +245,12 @@ def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str]) ->
     raise error
 
 
-def _rolled_back(driver: Any, updates: dict[int, int]) -> str:
+def _rolled_back(driver: Any, updates: dict[int, int], rollback: bool) -> str:
     """Roll every stage back to the fewest updates any stage applied; what the weights are now."""
     n = len(driver.infos)
     missing = [j for j in range(n) if j not in updates]
+    if not rollback:
+        return f"The stages were not rolled back (rollback=False): they applied {updates} updates (by stage)."
     if missing:
         return (f"The stages' updates were not rolled back: stage(s) {missing} did not report (their worker is "
                 f"gone); the others applied {updates} updates. Rebuild the pipe and load a checkpoint.")
@@ -277,8 +280,15 @@ def default_in_flight(stages: int, chunks: int) -> int:
     return -(-(stages - 1) // chunks) + 2
 
 
+def undo_depth(stages: int, chunks: int) -> int:
+    """Updates each stage keeps the means to undo: when a stream is called off, the last stage is at
+    most ceil(n / m) updates ahead of the first (stage 0 holds at most n micro-batches between its
+    forward and its backward, and every micro-batch the last stage finished went through it)."""
+    return -(-stages // chunks) + 1
+
+
 def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any = None,
-                 pipemare: PipeMareOptions | None = None) -> Iterator[Tensor]:
+                 pipemare: PipeMareOptions | None = None, rollback: bool = True) -> Iterator[Tensor]:
     """``Pipe.train_stream``: a loop of train steps under a synchronous schedule, a continuous pipeline
     under an asynchronous one."""
     from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
@@ -318,10 +328,11 @@ def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any
                            "pipe.stream(inputs)")
     if pipe._captured is not None and not pipe._captured.outputs.plain:
         loss_fn = StructuredLoss(loss_fn, pipe._captured.outputs)
-    request = StreamRequest(in_flight=default_in_flight(len(driver.infos), driver.chunks),
+    n = len(driver.infos)
+    request = StreamRequest(in_flight=default_in_flight(n, driver.chunks),
                             loss_fn=_pickled_loss(loss_fn), optimizer=optimizer.id,
                             scheduler=scheduler, vertical_sync=pipe.vertical_sync,
-                            pipemare=pipemare)
+                            pipemare=pipemare, undo_depth=undo_depth(n, driver.chunks) if rollback else 0)
     return run(driver, batches, request, training=pipe.training, spread=pipe.call_style == "2.x",
                prepare=lambda item: _pair(pipe, item))
 

@@ -166,3 +166,22 @@ def test_a_forward_stream_names_the_failing_input_and_recovers(pipe):
     finally:
         pipe.train()
     assert_no_stream_threads(pipe)
+
+
+def test_without_rollback_each_stage_stays_where_it_was_and_the_note_says_so(pipe):
+    optimizer = fresh(pipe)
+    data = batches(6, 4, seed=9)
+    data[4][0][0] = SENTINEL
+    with pytest.raises(StageError, match="batch 4") as info:
+        list(pipe.train_stream(data, F.cross_entropy, optimizer, rollback=False))
+    note = info.value.__notes__[-1]
+    assert "not rolled back (rollback=False)" in note, note
+    counts = {int(j): int(u) for j, u in re.findall(r"(\d+): (\d+)", note)}
+    assert sorted(counts) == [0, 1] and all(3 <= u <= 4 for u in counts.values()), note
+    state, plain = pipe.state_dict(), model()
+    names = stage_names(plain, BALANCE)
+    for j, u in counts.items():  # stage j holds the rule's weights after its own u updates
+        _, expected = simulate(model(), names, data[:u], lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 2,
+                               rule("PipeDream-2BW", 2, 2)[0])
+        for name in names[j]:
+            torch.testing.assert_close(state[name], expected[name], msg=lambda m, name=name: f"{name}: {m}")
