@@ -345,8 +345,11 @@ class _StreamRun(_StepRun):
         assert opt_id is not None
         optimizer = stage_optim.optimizer(self.pipe_id, opt_id, j)
         versions = self.versions[j]
-        keep = s.schedule != "PipeMare" and weight_version(
-            s.schedule, self.forwarded + 1, j, s.stages, s.chunks, vertical_sync=s.vertical_sync) <= versions.updates
+        keep = False  # whether the next batch to enter runs on the weights as they are before this update
+        if s.schedule != "PipeMare":  # no later forward needs an older version than the next batch's
+            needed = weight_version(s.schedule, self.forwarded + 1, j, s.stages, s.chunks, vertical_sync=s.vertical_sync)
+            versions.forget_below(needed)
+            keep = needed <= versions.updates
 
         schedulers = [] if s.scheduler is None else [stage_optim.scheduler(self.pipe_id, opt_id, j, s.scheduler)]
         factor = 1.0 if s.pipemare is None else s.pipemare.lr_factor(j, versions.updates, s.stages, s.chunks)
@@ -367,7 +370,7 @@ class _StreamRun(_StepRun):
                 for scheduler in schedulers:
                     scheduler.step()
 
-        before = versions.update(leaves, step, keep=keep)
+        before = versions.update(leaves, step, keep=keep, record=bool(s.undo_depth) or j in self.velocity)
         if s.undo_depth:
             self.undo[j].append(_Undo(versions.updates - 1, before, *states))
         if j in self.velocity:  # PipeMare's T2: the moving average of this stage's updates

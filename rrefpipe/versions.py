@@ -46,12 +46,14 @@ class StageWeights:
             raise RuntimeError(f"weight version {version} is gone (live: {self.updates}, kept: {sorted(self.kept)})")
         return {name: t.detach().requires_grad_(True) for name, t in source.items()}
 
-    def update(self, leaves: dict[str, Tensor], step: Callable[[], None], *, keep: bool) -> dict[str, Tensor]:
+    def update(self, leaves: dict[str, Tensor], step: Callable[[], None], *, keep: bool, record: bool = True
+               ) -> dict[str, Tensor]:
         """Apply one update: the gradients summed in ``leaves`` become the parameters' ``.grad`` and
         ``step()`` (the stage's optimizer step) runs on the live weights. ``keep``: a later forward needs
         the weights as they were before it, so they stay available as version ``updates``.
 
-        Returns those weights, untouched by the step (for an undo record)."""
+        Returns those weights, untouched by the step (for an undo record); without ``record``, under
+        PipeMare (which would have to copy them), nothing."""
         before = {name: p.data for name, p in self.params.items()}
         if self.stash:
             if keep:
@@ -59,7 +61,7 @@ class StageWeights:
             for p in self.params.values():
                 p.data = p.data.clone()  # the old storage stays with those who read it, and as the record
         else:
-            before = {name: t.clone() for name, t in before.items()}  # PipeMare steps in place
+            before = {name: t.clone() for name, t in before.items()} if record else {}  # (steps in place)
         for name, p in self.params.items():
             p.grad = leaves[name].grad
         try:

@@ -191,3 +191,30 @@ def deliver_late_in_the_callers_context(driver: str, pipe_id: str, tensor: torch
 def stream_threads() -> list[str]:
     """On a stage worker: the threads of continuous pipelines still running (none once a stream ended)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("rrefpipe-stream")]
+
+
+_buffer_peaks: dict[str, int] = {}
+
+
+def track_weight_buffers() -> None:
+    """On a stage worker: from now on, record the most weight buffers each stage's ``StageWeights`` holds
+    right after an update (keyed by its first parameter's name); idempotent."""
+    from rrefpipe import versions
+
+    _buffer_peaks.clear()
+    if getattr(versions.StageWeights.update, "tracked", False):
+        return
+    update = versions.StageWeights.update
+
+    def tracked(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[no-untyped-def]
+        result = update(self, *args, **kwargs)
+        key = next(iter(self.params), "")
+        _buffer_peaks[key] = max(_buffer_peaks.get(key, 0), self.buffers())
+        return result
+
+    tracked.tracked = True  # type: ignore[attr-defined]
+    versions.StageWeights.update = tracked  # type: ignore[method-assign]
+
+
+def weight_buffer_peaks() -> dict[str, int]:
+    return dict(_buffer_peaks)

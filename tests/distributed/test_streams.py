@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -24,7 +25,8 @@ from torch.optim.lr_scheduler import StepLR
 
 from rrefpipe import Pipe, PipeMareOptions
 from rrefpipe.optim import RemoteLRScheduler
-from rrefpipe.schedule import pipemare_forward_version, weight_version
+from rrefpipe.schedule import pipemare_forward_version, weight_buffers, weight_version
+from tests.distributed.probes import track_weight_buffers, weight_buffer_peaks
 from tests.distributed.test_any_model import gpt, lm_loss, token_batches
 from tests.layers import PopAdd, StashInput, mlp, twin
 
@@ -318,3 +320,18 @@ def test_pipemares_rescheduling_and_discrepancy_correction_follow_their_rules(cl
     _, plain_rule = simulate(mlp([5, 8, 8, 6, 3], seed=15), names, data, make_opt, 1, forward, backward)
     with pytest.raises(AssertionError):  # the options changed the outcome: the test can tell them apart
         torch.testing.assert_close({k: state[k] for k in plain_rule}, plain_rule)
+
+
+@pytest.mark.parametrize("schedule,vertical_sync", [("PipeDream", False), ("PipeDream", True), ("PipeDream-2BW", False)])
+def test_each_stage_holds_at_most_the_rules_weight_buffers(cluster, schedule, vertical_sync):
+    """Without rollback (whose records add copies), the most weight versions a stage holds itself right
+    after an update is ``weight_buffers``: 3 stages, chunks 1 (PipeDream: 3, 2, 1)."""
+    workers = cluster.names[:3]
+    for worker in workers:
+        rpc.rpc_sync(worker, track_weight_buffers, timeout=10)
+    with Pipe(mlp([5, 8, 8, 6, 3], seed=17), chunks=1, balance=[2, 3, 2], workers=workers, schedule=schedule,
+              vertical_sync=vertical_sync) as pipe:
+        optimizer = pipe.optimizer(torch.optim.SGD, lr=0.1)
+        list(pipe.train_stream(batches(6, 4, seed=18), F.cross_entropy, optimizer, rollback=False))
+    peaks = [max(rpc.rpc_sync(worker, weight_buffer_peaks, timeout=10).values()) for worker in workers]
+    assert peaks == [weight_buffers(schedule, 3, j, 1, vertical_sync=vertical_sync) for j in range(3)]
