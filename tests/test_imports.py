@@ -6,7 +6,7 @@ inside a function or class (a "lazy" import hides a cycle; it does not remove it
 to ``pkg.name`` when that is a module, and to ``pkg`` otherwise. Importing a submodule runs its
 package's ``__init__`` first, but that edge is not counted: a package's ``__init__`` that re-exports
 its submodules is the one allowed way down into them. (So ``workers`` importing ``rrefpipe._rpc``, which
-runs ``rrefpipe/__init__.py`` and with it ``rrefpipe.placement``, whose ``worker_module`` imports
+runs ``rrefpipe/__init__.py`` and with it ``rrefpipe.driver_side.placement``, whose ``worker_module`` imports
 ``workers`` when called, is no cycle here; ARCHITECTURE.md's "Layers" says why that import stays lazy.)
 ``importlib.import_module("pkg.x")`` (or an f-string starting ``"pkg."``) counts as importing ``pkg.x``
 (or the package ``pkg``).
@@ -165,10 +165,10 @@ def _a_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "rrefpipe.driver" in graph["rrefpipe.pipe"]  # from .driver import RemoteDriver
+    assert "rrefpipe.driver_side.remote" in graph["rrefpipe.pipe"]  # from .driver_side.remote import RemoteDriver
     assert "rrefpipe.timeline" in graph["rrefpipe.pipe"]  # inside a method
     assert "rrefpipe._rpc" in graph["workers.serve"]  # from rrefpipe import _rpc, inside a function
-    assert "workers" in graph["rrefpipe.placement"]  # importlib.import_module(f"workers.{name}")
+    assert "workers" in graph["rrefpipe.driver_side.placement"]  # importlib.import_module(f"workers.{name}")
     assert "workers.serve" in graph["workers.__main__"]  # from .serve import serve
 
 
@@ -204,13 +204,14 @@ def _reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
 
 def test_the_pipe_optimizers_worker_side_stays_below_its_driver_side():
     """``stage_optim`` runs on stage workers (above ``server``, which the stream runtime shares with it);
-    ``pipe_optimizer`` is the driver's (above ``driver``, ``local`` and ``stage_optim``; ``pipe`` and
+    ``pipe_optimizer`` is the driver's (above ``remote``, ``local`` and ``stage_optim``; ``pipe`` and
     ``optim`` above it)."""
     graph = import_graph()
-    assert "rrefpipe.server" in graph["rrefpipe.stage_optim"]
-    for driver_side in ("rrefpipe.driver", "rrefpipe.local", "rrefpipe.pipe", "rrefpipe.pipe_optimizer",
-                        "rrefpipe.optim"):
-        assert not _reaches(graph, "rrefpipe.stage_optim", driver_side), driver_side
-    assert {"rrefpipe.driver", "rrefpipe.local", "rrefpipe.stage_optim"} <= graph["rrefpipe.pipe_optimizer"]
-    assert not _reaches(graph, "rrefpipe.pipe_optimizer", "rrefpipe.pipe")
-    assert "rrefpipe.pipe_optimizer" in graph["rrefpipe.optim"]
+    assert "rrefpipe.stage_side.server" in graph["rrefpipe.stage_side.stage_optim"]
+    for driver_side in ("rrefpipe.driver_side.remote", "rrefpipe.driver_side.local", "rrefpipe.pipe",
+                        "rrefpipe.driver_side.pipe_optimizer", "rrefpipe.optim"):
+        assert not _reaches(graph, "rrefpipe.stage_side.stage_optim", driver_side), driver_side
+    assert {"rrefpipe.driver_side.remote", "rrefpipe.driver_side.local",
+            "rrefpipe.stage_side.stage_optim"} <= graph["rrefpipe.driver_side.pipe_optimizer"]
+    assert not _reaches(graph, "rrefpipe.driver_side.pipe_optimizer", "rrefpipe.pipe")
+    assert "rrefpipe.driver_side.pipe_optimizer" in graph["rrefpipe.optim"]
