@@ -1,4 +1,5 @@
-"""The import graph of ``rrefpipe`` and ``workers`` has no cycle.
+"""The import graph of ``rrefpipe`` and ``workers`` has no cycle, and ``rrefpipe.stage_side`` never imports
+``rrefpipe.driver_side``.
 
 Every module is parsed with :mod:`ast`, and every import counts wherever it stands: at module top,
 inside a function or class (a "lazy" import hides a cycle; it does not remove it), ``import a.b``,
@@ -215,3 +216,55 @@ def test_the_pipe_optimizers_worker_side_stays_below_its_driver_side():
             "rrefpipe.stage_side.stage_optim"} <= graph["rrefpipe.driver_side.pipe_optimizer"]
     assert not _reaches(graph, "rrefpipe.driver_side.pipe_optimizer", "rrefpipe.pipe")
     assert "rrefpipe.driver_side.pipe_optimizer" in graph["rrefpipe.optim"]
+
+
+STAGE_SIDE, DRIVER_SIDE = "rrefpipe.stage_side", "rrefpipe.driver_side"
+
+
+def _within(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def side_crossings(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each stage-side module's shortest import path to a driver-side module (direct, or through modules
+    of neither side), if it has one."""
+    found: list[list[str]] = []
+    for start in sorted(m for m in graph if _within(STAGE_SIDE, m)):
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier:
+            following = []
+            for v in frontier:
+                for w in sorted(graph[v] - paths.keys()):
+                    paths[w] = paths[v] + [w]
+                    following.append(w)
+            frontier = following
+        ends = sorted((len(path), path) for w, path in paths.items() if _within(DRIVER_SIDE, w))
+        if ends:
+            found.append(ends[0][1])
+    return found
+
+
+def test_a_crossing_from_the_stage_side_is_found_and_named():
+    s, t, clean, x = (f"{STAGE_SIDE}.{name}" for name in ("s", "t", "clean", "x"))
+    d = f"{DRIVER_SIDE}.d"
+    graph = {s: {"rrefpipe.top"}, t: {d}, clean: {x}, x: set(), "rrefpipe.top": {"rrefpipe.deeper"},
+             "rrefpipe.deeper": {d}, d: {s, x}}
+    assert side_crossings(graph) == [[s, "rrefpipe.top", "rrefpipe.deeper", d], [t, d]]
+
+
+def test_the_stage_side_never_imports_the_driver_side():
+    """A stage-side module runs where a stage is: on a stage worker, which must not need the driver's
+    code, or in the driver of a one-process pipe. So none imports a driver-side module, at any depth
+    (lazily inside a function too) and through no module of the top level either. It reaches the
+    driver only through functions the driver hands it (``server.connect``'s ``deliver`` and
+    ``keep_phony``, a stream's ``StreamPlan.deliver``). The driver side imports the stage side freely,
+    to name its functions in RPCs."""
+    graph = import_graph()
+    stage_side = [m for m in graph if _within(STAGE_SIDE, m)]
+    assert "rrefpipe.stage_side.server" in stage_side and "rrefpipe.driver_side.remote" in graph
+    assert "rrefpipe.stage_side.server" in graph["rrefpipe.driver_side.remote"]  # the driver side may
+    crossings = side_crossings(graph)
+    assert not crossings, ("stage-side modules that import the driver side (pass a function instead, or "
+                           "move what both need to the top level):\n  "
+                           + "\n  ".join(" -> ".join(path) for path in crossings))
