@@ -5,7 +5,7 @@ suite's models (``suite_models``, 2 stages) at the micro-batch sizes of the suit
 1 intra-op thread as on a stage worker:
 
 * ``plain``: forward + backward of the stage (random output gradient);
-* ``checkpointed``: the same through :func:`rrefpipe.checkpoint.run_checkpointed`, the function a
+* ``checkpointed``: the same through :func:`rrefpipe.stage_side.checkpoint.run_checkpointed`, the function a
   stage worker uses for ``checkpoint='always'`` (saved-tensor hooks, recomputed in backward here:
   nothing runs ahead of it in one process);
 * ``no-grad forward``: the stage's forward under ``torch.no_grad()``.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from bench_core import time_interleaved
-from rrefpipe.checkpoint import run_checkpointed
+from rrefpipe.stage_side.checkpoint import run_checkpointed
 from suite_models import DEFAULT_MODELS, SPECS, split
 
 

@@ -69,7 +69,7 @@ computes it on its last rank), then ``DistributedOptimizer.step``.
    The 4-stage splits are ``sched_zero_bubble.BALANCES``: each worker holds half the layers (the MLP 4/4/4/4;
    the Transformer 1/2/2/1 in the loop, 2/1/2/1 in the V), the ResNet 4/1/2/5 by timed layer cost. Every
    zero-bubble contestant splits each stage's backward into I (the inputs' gradients, which the previous
-   stage waits for) and W (the weights'): rrefpipe with ``rrefpipe.backward_split``, pipelining with its
+   stage waits for) and W (the weights'): rrefpipe with ``rrefpipe.stage_side.backward_split``, pipelining with its
    stages' own split. Per cell, beside the samples/s:
 
    * ``phys``, the **physical limit**: one process's micro-batched step (``physical_step``: ``zero_grad``,

@@ -140,12 +140,12 @@ def split_backward_costs(model: nn.Sequential, bal: Sequence[int], x: Tensor, ro
                          repeats: int) -> list[dict[str, float]]:
     """Per stage of ``model`` split by ``bal``, for ``rows`` samples, in this process with 1 intra-op thread:
     the forward (``forward_ms``), one fused backward (``torch.autograd.backward``, ``backward_ms``), and the
-    split backward's halves (``rrefpipe.backward_split.input_gradients``, ``input_ms``; then
+    split backward's halves (``rrefpipe.stage_side.backward_split.input_gradients``, ``input_ms``; then
     ``WeightGradients.run``, ``weight_ms``), each the median over ``repeats`` after ``warmup``; in each
     repeat both backwards run, each after its own forward, in an order alternating between repeats.
     ``split_over_fused``: the median of the repeats' I + W over the fused backward's median. Stage 0's
     input needs no gradient (as in a pipeline), so there everything is W."""
-    from rrefpipe.backward_split import input_gradients
+    from rrefpipe.stage_side.backward_split import input_gradients
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

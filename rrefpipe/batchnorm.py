@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .checkpoint import is_recomputing
+from .stage_side.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "defer_batch_norms", "plain_batch_norms", "running_stats_frozen"]
 

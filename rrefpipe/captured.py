@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from .capture import CONSTANT, INPUT, CapturedModel, Source, TiedParameter, capture, stage_marks
 from .capture.model import TensorSpec, spec_children
 from .capture.stages import graph_device, retarget, written_buffers
-from .checkpoint import is_recomputing
+from .stage_side.checkpoint import is_recomputing
 from .skip.namespace import Namespace
 from .skip.skippable import Skippable, pop, stash
 

@@ -174,7 +174,7 @@ def start_tracking() -> None:
 
 def count_kept(tensors: list[Tensor]) -> None:
     """Count ``tensors`` as kept for backward while they live, where autograd does not save them: the
-    gradients a split backward keeps between its halves (:mod:`rrefpipe.backward_split`)."""
+    gradients a split backward keeps between its halves (:mod:`rrefpipe.stage_side.backward_split`)."""
     tracker = _tracker
     if tracker is not None:
         for t in tensors:

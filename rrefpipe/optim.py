@@ -6,7 +6,7 @@ optimizers TorchScript has a functional twin of (SGD, Adam, AdamW, Adagrad, Adad
 Rprop), torch builds that twin on the workers, and it has no ``param_groups`` to schedule or state to
 save. The classes here are those optimizers under the same names, as subclasses: torch builds them as
 the regular ``torch.optim`` optimizer on every worker. (Any optimizer on a stage worker drops its
-gradients after each step: see :func:`rrefpipe.gradients.drop_after_optimizer_steps`.)
+gradients after each step: see :func:`rrefpipe.stage_side.gradients.drop_after_optimizer_steps`.)
 Around those, :class:`RemoteLRScheduler` runs a ``torch.optim.lr_scheduler`` class (or any callable
 that builds a scheduler from an optimizer) on every worker, stepped together from the driver, and
 :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` save and restore their state
@@ -31,8 +31,8 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.optim import Optimizer
 
 from . import _rpc
-from .pipe_optimizer import PipeOptimizer, StageSchedulers
-from .stage_optim import Scheduled, _shapes, _to_cpu
+from .driver_side.pipe_optimizer import PipeOptimizer, StageSchedulers
+from .stage_side.stage_optim import Scheduled, _shapes, _to_cpu
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "RemoteLRScheduler",
            "optimizer_state_dict", "load_optimizer_state_dict"]
@@ -186,7 +186,7 @@ _ON_METRIC = "ReduceLROnPlateau steps on a metric, which RemoteLRScheduler.step(
 class RemoteLRScheduler:
     """A learning-rate scheduler next to every worker's optimizer of a ``DistributedOptimizer``, or every
     stage's optimizer of a pipe's own (``pipe.optimizer(...)``, a
-    :class:`~rrefpipe.pipe_optimizer.PipeOptimizer`).
+    :class:`~rrefpipe.driver_side.pipe_optimizer.PipeOptimizer`).
 
     ``RemoteLRScheduler(opt, torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=1000)`` builds
     ``OneCycleLR(worker_optimizer, max_lr=0.1, total_steps=1000)`` on each worker (on each stage, for a

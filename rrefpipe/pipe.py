@@ -1,4 +1,5 @@
-"""The public ``Pipe``: argument checks and the user-facing methods (where stages go: :mod:`rrefpipe.placement`)."""
+"""The public ``Pipe``: argument checks and the user-facing methods (where stages go:
+:mod:`rrefpipe.driver_side.placement`)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,24 +16,25 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, calling, clip, microbatch, pipe_optimizer, placement, streaming
+from . import _rpc, calling, microbatch
+from .driver_side import clip, pipe_optimizer, placement, streaming
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
 from .captured import CapturedPipeModel, StructuredLoss, wants_capture
-from .driver import RemoteDriver
+from .driver_side.remote import RemoteDriver
 from .errors import warn_user
-from .local import LocalDriver, warn_in_process
+from .driver_side.local import LocalDriver, warn_in_process
 from .microbatch import TensorOrTensors
-from .output import PipeRRef, RemotePipeRRef
-from .pipe_optimizer import PipeOptimizer
+from .driver_side.output import PipeRRef, RemotePipeRRef
+from .driver_side.pipe_optimizer import PipeOptimizer
 from .schedule import PipeMareOptions, check_schedule, parse_schedule
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
 from .seeding import driver_seed
-from .server import StageSpec
+from .stage_side.server import StageSpec
 from .skip.skippable import verify_skippables
-from .stage import StageInfo
+from .stage_side.stage import StageInfo
 from .trace import Event
 
 __all__ = ["Pipe"]
@@ -383,10 +385,11 @@ class Pipe(nn.Module):
 
         The output is owned by this process (``.local_value()``) unless ``remote_output=True``,
         where it stays on the last stage's worker (``.to_here()``). The RRef is a
-        :class:`~rrefpipe.output.PipeRRef` (an ``rpc.RRef``), or a :class:`~rrefpipe.output.RemotePipeRRef`
-        that wraps the remote one; used as a tensor, either says which of the two calls to add. Train under
-        ``dist_autograd.context()`` and call :meth:`backward`; outside a context a training-mode forward
-        warns once, as no gradients could reach the stages.
+        :class:`~rrefpipe.driver_side.output.PipeRRef` (an ``rpc.RRef``), or a
+        :class:`~rrefpipe.driver_side.output.RemotePipeRRef` that wraps the remote one; used as a tensor,
+        either says which of the two calls to add. Train under ``dist_autograd.context()`` and call
+        :meth:`backward`; outside a context a training-mode forward warns once, as no gradients could
+        reach the stages.
 
         Raises:
             StageError: a stage raised (names stage, worker, micro-batch and cause; the pipe stays
@@ -483,7 +486,8 @@ class Pipe(nn.Module):
         the pipe (closed with it): ``step(context_id)`` and ``zero_grad()`` as ``DistributedOptimizer``'s,
         ``param_groups``, ``state_dict()`` with the model's parameter names, and LR schedules through
         :class:`rrefpipe.optim.RemoteLRScheduler`. :meth:`train_stream` needs it under an asynchronous
-        schedule, whose stages step it inside the pipeline; see :class:`~rrefpipe.pipe_optimizer.PipeOptimizer`."""
+        schedule, whose stages step it inside the pipeline; see
+        :class:`~rrefpipe.driver_side.pipe_optimizer.PipeOptimizer`."""
         return pipe_optimizer.build(self, cls, **kwargs)
 
     def train_stream(self, batches: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor], optimizer: Any, *,

@@ -9,7 +9,7 @@ when a replica's batch is smaller) and in one flat all-reduce per device and dty
 one per parameter), then takes replica 0's buffers (BatchNorm's running statistics), as
 ``DistributedDataParallel`` broadcasts them. At start-up every worker takes replica 0's parameters and
 buffers, and the drivers compare their pipes. Why not DDP: its reducer runs inside a backward, which
-``Pipe.train_step`` does not run in distributed autograd (see :mod:`rrefpipe.scheduled`), and its forward
+``Pipe.train_step`` does not run in distributed autograd (see :mod:`rrefpipe.stage_side.scheduled`), and its forward
 runs collectives, which would tie every forward (evaluation too) of every replica together.
 """
 from __future__ import annotations

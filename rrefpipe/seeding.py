@@ -4,7 +4,7 @@ A stage worker is another process: the driver's ``torch.manual_seed`` does not r
 its factory's initialisation, and under torchrun every rank ran the script's own ``manual_seed``, so
 every stage would draw the same numbers. The driver reads its own generator's state (without drawing
 from it) and gives stage ``j`` a seed derived from it and ``j``; the worker seeds itself with it when
-the stage is built (``rrefpipe.server``).
+the stage is built (``rrefpipe.stage_side.server``).
 """
 from __future__ import annotations
 

@@ -388,7 +388,7 @@ def nested_skip_models(width: int = 6, seed: int = 0) -> dict[str, nn.Sequential
 import os  # noqa: E402
 import signal  # noqa: E402
 
-from rrefpipe.checkpoint import is_recomputing  # noqa: E402
+from rrefpipe.stage_side.checkpoint import is_recomputing  # noqa: E402
 
 
 class DieInForward(nn.Module):

@@ -18,7 +18,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
 from examples.tiny_gpt import GPT
-from rrefpipe import CaptureError, Pipe, _rpc, placement, set_stage
+from rrefpipe import CaptureError, Pipe, _rpc, set_stage
+from rrefpipe.driver_side import placement
 from tests.test_capture import Cache, CalledTwice, DataDependent, OneFlowExample, TwoInputs
 
 

@@ -1,4 +1,4 @@
-"""The split backward of the zero-bubble schedules (``rrefpipe.backward_split``), in one process: the two
+"""The split backward of the zero-bubble schedules (``rrefpipe.stage_side.backward_split``), in one process: the two
 halves give exactly the gradients of one backward, the first computes no parameter gradient, and no node
 that the first half ran runs again in the second (except the border nodes, asked there only for their
 other outputs)."""
@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from rrefpipe import backward_split, memory
-from rrefpipe.backward_split import input_gradients
-from rrefpipe.checkpoint import Recomputable
+from rrefpipe import memory
+from rrefpipe.stage_side import backward_split
+from rrefpipe.stage_side.backward_split import input_gradients
+from rrefpipe.stage_side.checkpoint import Recomputable
 
 Forward = Callable[[nn.Module, list[Tensor]], list[Tensor]]
 

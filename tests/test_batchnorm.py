@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from rrefpipe.batchnorm import DeferredBatchNorm
-from rrefpipe.checkpoint import run_checkpointed
+from rrefpipe.stage_side.checkpoint import run_checkpointed
 
 
 def _pair(momentum):

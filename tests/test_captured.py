@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from examples.tiny_gpt import GPT
 from rrefpipe.captured import CapturedPipeModel, Ref, plan_routes, retarget
-from rrefpipe.checkpoint import recomputing
+from rrefpipe.stage_side.checkpoint import recomputing
 from tests.test_capture import TwoInputs, UNet
 
 pytestmark = pytest.mark.timeout(60)

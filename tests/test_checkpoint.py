@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from rrefpipe import is_checkpointing, is_recomputing  # exported where PyTorch's Pipe exported them
-from rrefpipe import checkpoint
-from rrefpipe.checkpoint import Recomputable, overwrites_input, random_turns, run_checkpointed
+from rrefpipe.stage_side import checkpoint
+from rrefpipe.stage_side.checkpoint import Recomputable, overwrites_input, random_turns, run_checkpointed
 
 
 def test_recomputation_gives_the_same_gradients_and_is_flagged():

@@ -87,7 +87,8 @@ def test_option_help_shows_the_default(name):
 
 @pytest.mark.parametrize("name", ["timeline", "demo", "tutorial"])
 def test_checkpoint_help_says_where_stages_recompute(name):
-    """As Pipe's docstring and rrefpipe.stage have it: CPU stages before the last recompute ahead of backward."""
+    """As Pipe's docstring and rrefpipe.stage_side.stage have it: CPU stages before the last recompute ahead of
+    backward."""
     (action,) = [a for a in _parsers()[name]._actions if "--checkpoint" in a.option_strings]
     assert action.help == CHECKPOINT_HELP
     assert "CPU stages before the last recompute while they wait for the gradient" in CHECKPOINT_HELP

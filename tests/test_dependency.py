@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from rrefpipe import transfer
+from rrefpipe.stage_side import transfer
 from rrefpipe.dependency import arrival, fence, hop, join, mark, new_phony
 
 

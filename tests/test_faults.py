@@ -82,7 +82,8 @@ def test_worker_killed_between_forward_and_backward_is_named_not_its_neighbour()
                    surfaced=time.monotonic() - t)
         # Which report reaches the driver first is a race (its own connection, or stage 2's refused
         # send): explain stage 2's report as it reads when stage 2 is first.
-        from rrefpipe import _rpc, diagnosis
+        from rrefpipe import _rpc
+        from rrefpipe.driver_side import diagnosis
         node = _rpc.worker_names().index("worker3")
         exc = diagnosis.explain(RuntimeError(f"Error on Node {node}: ECONNREFUSED: connection refused"),
                                 "backward", pipe._driver.pipe_id, pipe._driver.workers)

@@ -1,4 +1,5 @@
-"""The import graph of ``rrefpipe`` and ``workers`` has no cycle.
+"""The import graph of ``rrefpipe`` and ``workers`` has no cycle, and ``rrefpipe.stage_side`` never imports
+``rrefpipe.driver_side``.
 
 Every module is parsed with :mod:`ast`, and every import counts wherever it stands: at module top,
 inside a function or class (a "lazy" import hides a cycle; it does not remove it), ``import a.b``,
@@ -6,7 +7,7 @@ inside a function or class (a "lazy" import hides a cycle; it does not remove it
 to ``pkg.name`` when that is a module, and to ``pkg`` otherwise. Importing a submodule runs its
 package's ``__init__`` first, but that edge is not counted: a package's ``__init__`` that re-exports
 its submodules is the one allowed way down into them. (So ``workers`` importing ``rrefpipe._rpc``, which
-runs ``rrefpipe/__init__.py`` and with it ``rrefpipe.placement``, whose ``worker_module`` imports
+runs ``rrefpipe/__init__.py`` and with it ``rrefpipe.driver_side.placement``, whose ``worker_module`` imports
 ``workers`` when called, is no cycle here; ARCHITECTURE.md's "Layers" says why that import stays lazy.)
 ``importlib.import_module("pkg.x")`` (or an f-string starting ``"pkg."``) counts as importing ``pkg.x``
 (or the package ``pkg``).
@@ -165,10 +166,10 @@ def _a_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "rrefpipe.driver" in graph["rrefpipe.pipe"]  # from .driver import RemoteDriver
+    assert "rrefpipe.driver_side.remote" in graph["rrefpipe.pipe"]  # from .driver_side.remote import RemoteDriver
     assert "rrefpipe.timeline" in graph["rrefpipe.pipe"]  # inside a method
     assert "rrefpipe._rpc" in graph["workers.serve"]  # from rrefpipe import _rpc, inside a function
-    assert "workers" in graph["rrefpipe.placement"]  # importlib.import_module(f"workers.{name}")
+    assert "workers" in graph["rrefpipe.driver_side.placement"]  # importlib.import_module(f"workers.{name}")
     assert "workers.serve" in graph["workers.__main__"]  # from .serve import serve
 
 
@@ -204,13 +205,66 @@ def _reaches(graph: dict[str, set[str]], a: str, b: str) -> bool:
 
 def test_the_pipe_optimizers_worker_side_stays_below_its_driver_side():
     """``stage_optim`` runs on stage workers (above ``server``, which the stream runtime shares with it);
-    ``pipe_optimizer`` is the driver's (above ``driver``, ``local`` and ``stage_optim``; ``pipe`` and
+    ``pipe_optimizer`` is the driver's (above ``remote``, ``local`` and ``stage_optim``; ``pipe`` and
     ``optim`` above it)."""
     graph = import_graph()
-    assert "rrefpipe.server" in graph["rrefpipe.stage_optim"]
-    for driver_side in ("rrefpipe.driver", "rrefpipe.local", "rrefpipe.pipe", "rrefpipe.pipe_optimizer",
-                        "rrefpipe.optim"):
-        assert not _reaches(graph, "rrefpipe.stage_optim", driver_side), driver_side
-    assert {"rrefpipe.driver", "rrefpipe.local", "rrefpipe.stage_optim"} <= graph["rrefpipe.pipe_optimizer"]
-    assert not _reaches(graph, "rrefpipe.pipe_optimizer", "rrefpipe.pipe")
-    assert "rrefpipe.pipe_optimizer" in graph["rrefpipe.optim"]
+    assert "rrefpipe.stage_side.server" in graph["rrefpipe.stage_side.stage_optim"]
+    for driver_side in ("rrefpipe.driver_side.remote", "rrefpipe.driver_side.local", "rrefpipe.pipe",
+                        "rrefpipe.driver_side.pipe_optimizer", "rrefpipe.optim"):
+        assert not _reaches(graph, "rrefpipe.stage_side.stage_optim", driver_side), driver_side
+    assert {"rrefpipe.driver_side.remote", "rrefpipe.driver_side.local",
+            "rrefpipe.stage_side.stage_optim"} <= graph["rrefpipe.driver_side.pipe_optimizer"]
+    assert not _reaches(graph, "rrefpipe.driver_side.pipe_optimizer", "rrefpipe.pipe")
+    assert "rrefpipe.driver_side.pipe_optimizer" in graph["rrefpipe.optim"]
+
+
+STAGE_SIDE, DRIVER_SIDE = "rrefpipe.stage_side", "rrefpipe.driver_side"
+
+
+def _within(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def side_crossings(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each stage-side module's shortest import path to a driver-side module (direct, or through modules
+    of neither side), if it has one."""
+    found: list[list[str]] = []
+    for start in sorted(m for m in graph if _within(STAGE_SIDE, m)):
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier:
+            following = []
+            for v in frontier:
+                for w in sorted(graph[v] - paths.keys()):
+                    paths[w] = paths[v] + [w]
+                    following.append(w)
+            frontier = following
+        ends = sorted((len(path), path) for w, path in paths.items() if _within(DRIVER_SIDE, w))
+        if ends:
+            found.append(ends[0][1])
+    return found
+
+
+def test_a_crossing_from_the_stage_side_is_found_and_named():
+    s, t, clean, x = (f"{STAGE_SIDE}.{name}" for name in ("s", "t", "clean", "x"))
+    d = f"{DRIVER_SIDE}.d"
+    graph = {s: {"rrefpipe.top"}, t: {d}, clean: {x}, x: set(), "rrefpipe.top": {"rrefpipe.deeper"},
+             "rrefpipe.deeper": {d}, d: {s, x}}
+    assert side_crossings(graph) == [[s, "rrefpipe.top", "rrefpipe.deeper", d], [t, d]]
+
+
+def test_the_stage_side_never_imports_the_driver_side():
+    """A stage-side module runs where a stage is: on a stage worker, which must not need the driver's
+    code, or in the driver of a one-process pipe. So none imports a driver-side module, at any depth
+    (lazily inside a function too) and through no module of the top level either. It reaches the
+    driver only through functions the driver hands it (``server.connect``'s ``deliver`` and
+    ``keep_phony``, a stream's ``StreamPlan.deliver``). The driver side imports the stage side freely,
+    to name its functions in RPCs."""
+    graph = import_graph()
+    stage_side = [m for m in graph if _within(STAGE_SIDE, m)]
+    assert "rrefpipe.stage_side.server" in stage_side and "rrefpipe.driver_side.remote" in graph
+    assert "rrefpipe.stage_side.server" in graph["rrefpipe.driver_side.remote"]  # the driver side may
+    crossings = side_crossings(graph)
+    assert not crossings, ("stage-side modules that import the driver side (pass a function instead, or "
+                           "move what both need to the top level):\n  "
+                           + "\n  ".join(" -> ".join(path) for path in crossings))

@@ -22,8 +22,10 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 import rrefpipe.optim
-from rrefpipe import Pipe, StageError, pipe_optimizer, stage_optim
-from rrefpipe.local import LocalDriver
+from rrefpipe import Pipe, StageError
+from rrefpipe.stage_side import stage_optim
+from rrefpipe.driver_side import pipe_optimizer
+from rrefpipe.driver_side.local import LocalDriver
 from rrefpipe.optim import RemoteLRScheduler
 from rrefpipe.partition import split_module
 from tests.layers import mlp
@@ -37,7 +39,7 @@ Batches = Sequence[tuple[Tensor, Tensor]]
 
 def _registered(pipe_id: str) -> list[tuple[int, int]]:
     """On a stage worker: (optimizer id, stage) of the pipe's optimizers there, and its optimizers' locks."""
-    from rrefpipe import stage_optim
+    from rrefpipe.stage_side import stage_optim
 
     stages = [(opt_id, j) for pid, opt_id, j in stage_optim._stages if pid == pipe_id]
     locks = [(opt_id, -1) for pid, opt_id in stage_optim._locks if pid == pipe_id]
@@ -46,7 +48,7 @@ def _registered(pipe_id: str) -> list[tuple[int, int]]:
 
 def _parameter(pipe_id: str, j: int, name: str) -> Tensor:
     """On a stage worker: a parameter of stage ``j`` (by its name there), on the CPU."""
-    from rrefpipe.server import _server
+    from rrefpipe.stage_side.server import _server
 
     return _server(pipe_id, j).stage.module.get_parameter(name).detach().cpu().clone()
 

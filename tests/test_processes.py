@@ -269,7 +269,7 @@ def without_workers() -> subprocess.CompletedProcess[str]:
     """The run of the scenarios of the four tests below, in one fresh interpreter (see above)."""
     return run_script(textwrap.dedent(_SCENARIO_RUNNER) + textwrap.dedent("""
         def importing_leaves_torchs_optimizers_alone():
-            import rrefpipe, rrefpipe.checkpoint, workers.__main__
+            import rrefpipe, rrefpipe.stage_side.checkpoint, workers.__main__
             print("heavy=" + ",".join(m for m in ("torch.distributed.optim", "torch.distributed.fsdp", "sympy")
                                       if m in sys.modules))
 

@@ -122,7 +122,7 @@ def test_names_that_leave_a_block_are_checked_model_wide(layers, message):
 def test_stages_report_only_the_skips_that_leave_their_layers():
     """The driver routes (and checks) what Stage.info reports: skips kept inside a layer stay off it,
     and the stage's router keeps each one until its pop, block after block."""
-    from rrefpipe.stage import Stage, StepMeta
+    from rrefpipe.stage_side.stage import Stage, StepMeta
 
     model = nested_skip_models()["repeated blocks"]
     ns = model[0].namespaced("skip")[0]
@@ -205,7 +205,7 @@ def test_routes_send_each_skip_to_its_pop_stage():
 def test_stage_lines_tell_isolated_skips_of_one_name_apart():
     from rrefpipe.skip import Namespace
     from rrefpipe.skip.namespace import DEFAULT
-    from rrefpipe.stage import StageInfo
+    from rrefpipe.stage_side.stage import StageInfo
 
     a, b = Namespace(), Namespace()
     info = StageInfo(0, "worker1", "cpu", ("0: Stash",), 0, stashes=((a, "x"), (b, "x"), (DEFAULT, "y")))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from rrefpipe.dependency import new_phony
-from rrefpipe.stage import Stage, StepMeta
+from rrefpipe.stage_side.stage import Stage, StepMeta
 from tests.layers import RaiseInRecompute
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from rrefpipe.versions import StageWeights
+from rrefpipe.stage_side.versions import StageWeights
 
 pytestmark = pytest.mark.timeout(30)
 

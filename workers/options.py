@@ -20,7 +20,7 @@ LOCAL_TRANSPORTS: tuple[str, ...] = ("uv",)
 
 #: RPC threads of a stage worker. One thread runs every RPC body and creates every autograd node of the
 #: stage's forward, so the nodes' sequence numbers (kept per thread) follow the micro-batches: the last
-#: stage's backward, one autograd task for the whole step (see ``rrefpipe.driver.deliver``), then runs
+#: stage's backward, one autograd task for the whole step (see ``rrefpipe.driver_side.remote.deliver``), then runs
 #: micro-batch m-1 first and sends each input gradient as soon as it is ready. With 16 threads the
 #: order was arbitrary (8 x Linear(2048), m=8: 513-523 -> 630 ms). One thread also saves hand-offs
 #: (tiny 2-stage model, m=32, per-mb outputs: 51-53 -> 44 ms). No stage body waits on an RPC, so one
@@ -84,7 +84,7 @@ def maps_to_later_workers(own: str, later: Mapping[str, str]) -> dict[str, dict[
     """A stage worker's device maps: from its device to the device of every later worker (name ->
     device) that is not on the CPU. Activations go to the next stage, skips straight to any later one;
     gradients come back over the reverse maps. TensorPipe maps join GPUs only: a CPU worker has none,
-    and a GPU stage sends to a CPU one from the CPU (``rrefpipe.server``)."""
+    and a GPU stage sends to a CPU one from the CPU (``rrefpipe.stage_side.server``)."""
     if own == "cpu":
         return {}
     return {name: {own: device} for name, device in later.items() if device != "cpu"}

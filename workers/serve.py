@@ -172,7 +172,7 @@ def serve(
             torch.set_num_interop_threads(interop_threads)
         except RuntimeError as exc:  # parallel work already ran in this process (serve called late)
             log.warning("worker %s: keeping %d inter-op threads (%s)", name, torch.get_num_interop_threads(), exc)
-    from rrefpipe.checkpoint import warm_up
+    from rrefpipe.stage_side.checkpoint import warm_up
 
     warm_up()
     _drop_torchscript_optimizer_warning()

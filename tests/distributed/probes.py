@@ -14,7 +14,7 @@ import torch.distributed.rpc as rpc
 
 def _named_grads(pipe_id: str, index: int, context_id: int) -> dict[str, torch.Tensor]:
     """On a stage worker: its gradients in the context, on the CPU (the driver has no device maps)."""
-    from rrefpipe.server import _server
+    from rrefpipe.stage_side.server import _server
 
     grads = dist_autograd.get_gradients(context_id)
     module = _server(pipe_id, index).stage.module
@@ -22,7 +22,7 @@ def _named_grads(pipe_id: str, index: int, context_id: int) -> dict[str, torch.T
 
 
 def _parameter_devices(pipe_id: str, index: int) -> list[str]:
-    from rrefpipe.server import _server
+    from rrefpipe.stage_side.server import _server
 
     return sorted({str(p.device) for p in _server(pipe_id, index).stage.module.parameters()})
 
@@ -37,7 +37,8 @@ def retained_contexts() -> list[int]:
 def fail_skip_arrivals(message: str | None) -> None:
     """On a stage worker: make taking in an arriving skip (with its gradient's phony) raise
     RuntimeError(message) from now on, as a device copy that runs out of memory would; None undoes it."""
-    from rrefpipe import dependency, server
+    from rrefpipe import dependency
+    from rrefpipe.stage_side import server
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(message)
@@ -47,7 +48,7 @@ def fail_skip_arrivals(message: str | None) -> None:
 
 def stage_count() -> int:
     """On a stage worker: how many stages, of any pipe, it holds."""
-    from rrefpipe import server
+    from rrefpipe.stage_side import server
 
     return len(server._servers)
 
@@ -98,7 +99,7 @@ def check_transparent(pipe, model, x, device: str = "cpu", loss_of: Callable[[An
 
 def counts() -> dict[str, int]:
     """What a process holds: stages, RRefs, autograd contexts, RPC calls in flight, Python threads."""
-    from rrefpipe.server import _servers
+    from rrefpipe.stage_side.server import _servers
 
     rrefs = rpc._rref_context_get_debug_info()
     agent = rpc.api._get_current_rpc_agent().get_debug_info()
@@ -156,7 +157,7 @@ def deliver_late_in_a_new_context(driver: str, pipe_id: str) -> torch.futures.Fu
     delivered, and stays in the context until :func:`leave_late_context` (its end would release the
     driver's copy too, and so would any other call to the driver from inside it). On a thread of its
     own: the worker's one RPC thread completes its calls."""
-    from rrefpipe.driver import deliver
+    from rrefpipe.driver_side.remote import deliver
 
     delivered: torch.futures.Future[None] = torch.futures.Future()
 
@@ -183,7 +184,7 @@ def leave_late_context() -> None:
 def deliver_late_in_the_callers_context(driver: str, pipe_id: str, tensor: torch.Tensor) -> torch.futures.Future[None]:
     """On a worker, called with ``tensor`` from inside the driver's context: a late delivery in that
     context (not awaited on the worker's one RPC thread, which completes the call)."""
-    from rrefpipe.driver import deliver
+    from rrefpipe.driver_side.remote import deliver
 
     return rpc.rpc_async(driver, deliver, args=(pipe_id, 0, tensor * 2))
 

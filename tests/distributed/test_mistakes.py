@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rrefpipe import Pipe
-from rrefpipe.output import PipeRRef, RemotePipeRRef
+from rrefpipe.driver_side.output import PipeRRef, RemotePipeRRef
 from tests.conftest import run_script
 from tests.distributed.probes import stage_gradients
 
@@ -175,7 +175,7 @@ def test_in_a_world_of_one_the_output_says_the_same():
         from torch import nn
         import workers
         from rrefpipe import Pipe
-        from rrefpipe.output import PipeRRef
+        from rrefpipe.driver_side.output import PipeRRef
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(workers.free_port()))
         rpc.init_rpc("solo", rank=0, world_size=1)

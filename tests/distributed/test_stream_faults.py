@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rrefpipe import Pipe, StageError
-from rrefpipe.streaming import default_in_flight
+from rrefpipe.driver_side.streaming import default_in_flight
 from tests.distributed.probes import stream_threads
 from tests.distributed.test_streams import batches, rule, simulate, stage_names
 from tests.layers import SENTINEL, BoomOnHuge, twin

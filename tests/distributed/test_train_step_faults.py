@@ -724,7 +724,7 @@ def test_twenty_steps_with_failures_leak_nothing(failing, cluster):
 
 def left_in_mailbox(pipe_id: str) -> int:
     """On a worker: the messages of a pipe's steps that nobody took."""
-    from rrefpipe import scheduled
+    from rrefpipe.stage_side import scheduled
 
     box = scheduled._mailboxes.get(pipe_id)
     return 0 if box is None else len(box.items)

@@ -401,10 +401,10 @@ def memory_on_gpu_stages() -> None:
 
 
 def host_copies_do_not_wait_for_the_gpu() -> None:
-    """``rrefpipe.transfer``: copies between the GPU and pinned host memory are queued, not waited for
+    """``rrefpipe.stage_side.transfer``: copies between the GPU and pinned host memory are queued, not waited for
     (each call returns while the GPU still sleeps in a kernel queued before it) and carry gradients both
     ways; a stage's stream runs after the arrivals of another stream."""
-    from rrefpipe.transfer import StageStream, to_device, to_host
+    from rrefpipe.stage_side.transfer import StageStream, to_device, to_host
 
     device = torch.device(GPU)
     if device.type == "cpu":  # dry run: nothing to copy, nothing to order

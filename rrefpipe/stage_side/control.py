@@ -2,7 +2,7 @@
 training mode, its gradients in an autograd context (norm, scaling), its state dict, and its records
 (execution events, traffic, failures kept from backward).
 
-The data path (building a stage, micro-batches, skips, outputs) is :mod:`rrefpipe.server`; these calls
+The data path (building a stage, micro-batches, skips, outputs) is :mod:`rrefpipe.stage_side.server`; these calls
 only look a stage up in its registry.
 """
 from __future__ import annotations
@@ -17,11 +17,12 @@ from torch import Tensor
 
 import torch.distributed.autograd as dist_autograd
 
-from . import _rpc, gradients, replicas
-from .captured import counted_elsewhere
-from .errors import Failure
+from .. import _rpc, replicas
+from . import gradients
+from ..captured import counted_elsewhere
+from ..errors import Failure
 from .server import _server
-from .trace import Event
+from ..trace import Event
 from .transfer import StageStream
 
 __all__: list[str] = []

@@ -14,15 +14,16 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
-from . import _rpc, gradients, microbatch
-from .loss import checked_loss, mean_loss, split_target, weights
-from .microbatch import TensorOrTensors
+from .. import _rpc, microbatch
+from ..stage_side import gradients
+from ..loss import checked_loss, mean_loss, split_target, weights
+from ..microbatch import TensorOrTensors
 from .output import PipeRRef
-from .schedule import checkpoint_stop, clock_cycles
-from .skip.layout import route
-from .skip.tracker import SkipKey
-from .stage import Stage, StageInfo, StepMeta
-from .trace import Event
+from ..schedule import checkpoint_stop, clock_cycles
+from ..skip.layout import route
+from ..skip.tracker import SkipKey
+from ..stage_side.stage import Stage, StageInfo, StepMeta
+from ..trace import Event
 
 __all__ = ["InProcessWarning", "warn_in_process"]
 

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import torch.distributed.rpc as rpc
 
-from . import _rpc, contexts, control, server
-from .errors import UNREACHABLE, Failure, StageError, is_transport_error, timed_out
+from .. import _rpc
+from ..stage_side import control, server
+from . import contexts
+from ..errors import UNREACHABLE, Failure, StageError, is_transport_error, timed_out
 
 __all__: list[str] = []
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _rpc
+from .. import _rpc
 
 __all__: list[str] = []
 

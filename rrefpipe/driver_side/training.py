@@ -1,5 +1,5 @@
 """The driver side of ``Pipe.train_step``: one message to each worker starts its part of the step
-(:mod:`rrefpipe.scheduled`), and one reply from each says how it went; the last stage's worker sends
+(:mod:`rrefpipe.stage_side.scheduled`), and one reply from each says how it went; the last stage's worker sends
 the micro-batch losses. A failure anywhere calls the step off on every worker, so that none waits
 for a message that will not come, and the error names the stage, worker and micro-batch where it
 happened."""
@@ -13,11 +13,12 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import diagnosis, scheduled
-from .errors import Failure, StageError, WorkerError, timed_out
-from .microbatch import TensorOrTensors
-from .schedule import stage_layout
-from .scheduled import StepPlan, StepReport
+from ..stage_side import scheduled
+from . import diagnosis
+from ..errors import Failure, StageError, WorkerError, timed_out
+from ..microbatch import TensorOrTensors
+from ..schedule import stage_layout
+from ..stage_side.scheduled import StepPlan, StepReport
 
 __all__: list[str] = []
 

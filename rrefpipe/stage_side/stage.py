@@ -17,19 +17,19 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import autocast, microbatch
-from .autocast import AutocastRegion
-from .batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
-from .calling import as_layer_sequence
+from .. import autocast, microbatch
+from ..autocast import AutocastRegion
+from ..batchnorm import DeferredBatchNorm, plain_batch_norms, running_stats_frozen
+from ..calling import as_layer_sequence
 from .checkpoint import Recomputable, is_recomputing, overwrites_input, random_turns
-from .errors import Failure
-from .dependency import arrival, fence, hop, join, mark, new_phony
-from .microbatch import TensorOrTensors
-from .skip.layout import SkipRoutes, StageRouter
-from .skip.namespace import DEFAULT
-from .skip.skippable import crossing_skips, skippable_layers
-from .skip.tracker import SkipKey, use_tracker
-from .trace import Recorder
+from ..errors import Failure
+from ..dependency import arrival, fence, hop, join, mark, new_phony
+from ..microbatch import TensorOrTensors
+from ..skip.layout import SkipRoutes, StageRouter
+from ..skip.namespace import DEFAULT
+from ..skip.skippable import crossing_skips, skippable_layers
+from ..skip.tracker import SkipKey, use_tracker
+from ..trace import Recorder
 from .transfer import to_device
 
 __all__ = ["StepMeta", "StageInfo", "StageOutput", "Stage"]
@@ -129,7 +129,7 @@ class Stage:
         """Run micro-batch ``i`` with the skip tensors ``received`` from earlier stages.
 
         ``params``: weights to run with instead of the module's own (a continuous pipeline's version,
-        :mod:`rrefpipe.versions`), named as in ``module.named_parameters()``; a checkpointed run
+        :mod:`rrefpipe.stage_side.versions`), named as in ``module.named_parameters()``; a checkpointed run
         recomputes with them too, in its own backward (never ahead, on another thread).
 
         Under autograd each phony is joined into the output and new phonies are forked for the next

@@ -1,7 +1,7 @@
 """A pipe's own optimizer, the driver side: ``pipe.optimizer(torch.optim.AdamW, lr=1e-3)``.
 
 It builds the regular ``torch.optim`` class, one per stage, on every stage's worker
-(:mod:`rrefpipe.stage_optim`) and drives them from here with control calls: :meth:`PipeOptimizer.step`
+(:mod:`rrefpipe.stage_side.stage_optim`) and drives them from here with control calls: :meth:`PipeOptimizer.step`
 is ``DistributedOptimizer.step``'s arithmetic, and unlike that one it has ``param_groups`` to change,
 and a ``state_dict`` keyed by the names ``pipe.state_dict()`` gives the parameters, so that a
 checkpoint of both reads as one model's. Code on the workers can step the same optimizers without the
@@ -20,13 +20,14 @@ import cloudpickle
 import torch
 from torch import Tensor
 
-from . import _rpc, control, stage_optim
-from .driver import RemoteDriver, _raised_if_failed
+from .. import _rpc
+from ..stage_side import control, stage_optim
+from .remote import RemoteDriver, _raised_if_failed
 from .local import LocalDriver
 
 if TYPE_CHECKING:
-    from .captured import CapturedPipeModel
-    from .pipe import Pipe
+    from ..captured import CapturedPipeModel
+    from ..pipe import Pipe
 
 __all__ = ["PipeOptimizer", "ParamGroup", "StageSchedulers", "build", "close_all"]
 

@@ -1,6 +1,6 @@
 """The stage side of the RPC protocol's data path: a registry of stages on this worker and the entry points
 that build them and move micro-batches, skips and outputs (the driver's calls between steps are in
-:mod:`rrefpipe.control`).
+:mod:`rrefpipe.stage_side.control`).
 
 Micro-batch ``i`` of a step reaches stage ``j`` in a message (``receive``) that carries it alone or with
 its neighbours (``Pipe(microbatches_per_message=)``: a stage holds outputs until a message is full or
@@ -27,13 +27,14 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.futures import Future
 
-from . import checkpoint, gradients, microbatch
-from .batchnorm import defer_batch_norms
-from .dependency import arrival, hop
-from .errors import Failure
-from .microbatch import TensorOrTensors
-from .skip.layout import SkipRoutes
-from .skip.tracker import SkipKey
+from .. import microbatch
+from . import checkpoint, gradients
+from ..batchnorm import defer_batch_norms
+from ..dependency import arrival, hop
+from ..errors import Failure
+from ..microbatch import TensorOrTensors
+from ..skip.layout import SkipRoutes
+from ..skip.tracker import SkipKey
 from .stage import Stage, StageInfo, StageOutput, StepMeta
 from .transfer import StageStream, to_device, to_host
 
@@ -41,8 +42,9 @@ __all__: list[str] = []
 
 Status = Failure | None  # what a receive future resolves to: None when the micro-batch made it through
 Arrival = tuple[int, TensorOrTensors, Tensor | None, frozenset[SkipKey]]  # (i, value, phony, skips sent as None)
-# The driver's RPC targets for the last stage's outputs (``driver.deliver``, ``driver.keep_phony``), given to
-# every stage by ``connect``: the driver sits above this module, which never imports it.
+# The driver's RPC targets for the last stage's outputs (``deliver`` and ``keep_phony`` of
+# ``rrefpipe.driver_side.remote``), given to every stage by ``connect``: the driver sits above this module,
+# which never imports it.
 Deliver = Callable[[str, int, TensorOrTensors, Tensor | None, Tensor | None], None]
 KeepPhony = Callable[[str, int, Tensor], None]
 
@@ -334,7 +336,7 @@ class StageServer:
 
     def _deliver(self, job: _Job) -> Future[Status]:
         """The step's output, gathered here, to the driver in one message of one tensor per output
-        tensor (see ``driver.deliver`` for why): each tensor of a message costs both sides again, and
+        tensor (see ``driver_side.remote.deliver`` for why): each tensor of a message costs both sides again, and
         so does its gradient. The output reaches every micro-batch's hop node in backward through its
         first tensor that can carry a gradient (see ``dependency.hop``). Where none can (integer
         tensors only), one phony made of those micro-batches' phonies goes along: no loss reaches its

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _rpc
-from .partition import module_device
-from .schedule import is_v_shaped, stage_layout
-from .seeding import stage_seed
-from .server import StageSpec
+from .. import _rpc
+from ..partition import module_device
+from ..schedule import is_v_shaped, stage_layout
+from ..seeding import stage_seed
+from ..stage_side.server import StageSpec
 
 __all__: list[str] = []
 

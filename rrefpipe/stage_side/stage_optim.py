@@ -1,5 +1,5 @@
 """The worker side of a pipe's own optimizer (``pipe.optimizer(cls, **kwargs)``; the driver side is
-:mod:`rrefpipe.pipe_optimizer`): one regular ``torch.optim`` optimizer per stage, over that stage's
+:mod:`rrefpipe.driver_side.pipe_optimizer`): one regular ``torch.optim`` optimizer per stage, over that stage's
 parameters, kept in a registry on the stage's worker, and the control calls that build, step, read,
 change and drop them.
 

@@ -1,7 +1,7 @@
 """The driver side of the RPC protocol: feeds a mini-batch to stage 0 and collects the outputs.
 
 Per forward pass the driver sends one message, the whole mini-batch, to the first stage, which splits it;
-activations then flow worker to worker (see :mod:`rrefpipe.server`). The last stage pushes all outputs
+activations then flow worker to worker (see :mod:`rrefpipe.stage_side.server`). The last stage pushes all outputs
 back here in one message (``deliver``), or keeps them when the pipe's output should stay on the last worker.
 """
 from __future__ import annotations
@@ -21,19 +21,21 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, contexts, control, diagnosis, microbatch, replicas, server
-from .dependency import arrival, new_phony
-from .errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
-from .microbatch import TensorOrTensors
+from .. import _rpc, autocast, microbatch, replicas
+from ..stage_side import control, server
+from . import contexts, diagnosis
+from ..dependency import arrival, new_phony
+from ..errors import Failure, StageError, WorkerError, is_transport_error, timed_out, warn_user
+from ..microbatch import TensorOrTensors
 from .output import PipeRRef, RemotePipeRRef
-from .loss import mean_loss, split_target
-from .schedule import check_schedule, checkpoint_stop
-from .scheduled import StepPlan
-from .server import StageSpec
-from .skip.layout import route
-from .skip.skippable import verify_stage_skips
-from .stage import StageInfo, StepMeta
-from .trace import Event
+from ..loss import mean_loss, split_target
+from ..schedule import check_schedule, checkpoint_stop
+from ..stage_side.scheduled import StepPlan
+from ..stage_side.server import StageSpec
+from ..skip.layout import route
+from ..skip.skippable import verify_stage_skips
+from ..stage_side.stage import StageInfo, StepMeta
+from ..trace import Event
 from .training import run as training_run
 
 __all__: list[str] = []

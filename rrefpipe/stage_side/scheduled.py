@@ -36,14 +36,15 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import autocast, backward_split, gradients, memory, microbatch, replicas, server
-from .autocast import AutocastRegion
-from .errors import Failure
-from .loss import checked_loss, weights
-from .microbatch import TensorOrTensors
-from .schedule import Action, is_split, worker_orders
+from .. import autocast, memory, microbatch, replicas
+from . import backward_split, gradients, server
+from ..autocast import AutocastRegion
+from ..errors import Failure
+from ..loss import checked_loss, weights
+from ..microbatch import TensorOrTensors
+from ..schedule import Action, is_split, worker_orders
 from .server import StageServer
-from .skip.tracker import SkipKey
+from ..skip.tracker import SkipKey
 from .stage import StageOutput, StepMeta
 from .transfer import to_device
 

@@ -9,7 +9,7 @@ steps them there. So each stage unscales its own gradients in the context, in pl
 and says whether it found an inf or a nan; the driver skips the step on every worker when any stage
 did, so that the stages never step apart. The scale stays on the driver, where the loss is. The
 arithmetic (a float32 scale, torch's own update op) and the ``state_dict`` are torch's. The stages'
-part, ``unscale``, is in :mod:`rrefpipe.gradients`: stage workers import it without the ``Pipe``.
+part, ``unscale``, is in :mod:`rrefpipe.stage_side.gradients`: stage workers import it without the ``Pipe``.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor
 
-from . import _rpc
-from .pipe import Pipe
+from .. import _rpc
+from ..pipe import Pipe
 
 if TYPE_CHECKING:
     from torch.distributed.optim import DistributedOptimizer  # 0.7 s of imports (FSDP, DTensor, sympy)

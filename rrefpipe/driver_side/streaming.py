@@ -1,14 +1,14 @@
 """The driver side of a continuous pipeline (``Pipe.train_stream`` under an asynchronous rule, and
 ``Pipe.stream``): feed batches ahead, yield each batch's result in order, stop cleanly.
 
-One message to each worker starts its long-lived run (:mod:`rrefpipe.streamed`); then each batch is
+One message to each worker starts its long-lived run (:mod:`rrefpipe.stage_side.streamed`); then each batch is
 announced to every worker (the input to the first stage's, the target to the last stage's) as the
 caller's iterable gives it, at most ``in_flight`` batches ahead of the results yielded, and the last
 stage sends each batch's losses or output back here (:func:`deliver`). When the iterable ends (or
 the caller leaves the loop) every worker is told how many batches there were; it finishes those and
 its run ends, so that the weights are those after every fed batch's update.
 
-A failure anywhere calls the stream off on every worker, as a failed step is (:mod:`rrefpipe.training`).
+A failure anywhere calls the stream off on every worker, as a failed step is (:mod:`rrefpipe.driver_side.training`).
 """
 from __future__ import annotations
 
@@ -25,16 +25,17 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import _rpc, autocast, microbatch, replicas, scheduled, streamed
-from .captured import StructuredLoss
-from .driver import _pickled_loss, _send_copy
+from .. import _rpc, autocast, microbatch, replicas
+from ..stage_side import scheduled, streamed
+from ..captured import StructuredLoss
+from .remote import _pickled_loss, _send_copy
 from .local import LocalDriver
 from .diagnosis import first_cause
-from .errors import Failure, StageError
-from .loss import mean_loss, split_target
-from .microbatch import TensorOrTensors
-from .schedule import PipeMareOptions, is_async
-from .streamed import StreamPlan, StreamReport
+from ..errors import Failure, StageError
+from ..loss import mean_loss, split_target
+from ..microbatch import TensorOrTensors
+from ..schedule import PipeMareOptions, is_async
+from ..stage_side.streamed import StreamPlan, StreamReport
 from .training import _explained
 
 __all__: list[str] = []

@@ -1,5 +1,5 @@
 """A stage's gradients in a ``dist_autograd`` context, where they are: collected, reduced to a norm,
-scaled and unscaled in place (what each stage runs for :mod:`rrefpipe.clip` and
+scaled and unscaled in place (what each stage runs for :mod:`rrefpipe.driver_side.clip` and
 :class:`rrefpipe.GradScaler`; the driver's side of both sits above the pipe), and added to the
 context from outside a backward (``install``: ``Pipe.train_step`` computes them by plain autograd), and
 what ``.grad`` keeps between steps on a stage worker (``drop_after_optimizer_steps``).

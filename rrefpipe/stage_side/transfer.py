@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import microbatch
-from .microbatch import TensorOrTensors
+from .. import microbatch
+from ..microbatch import TensorOrTensors
 
 __all__ = ["to_device", "to_host", "StageStream"]
 

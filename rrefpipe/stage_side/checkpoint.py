@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from . import autocast, microbatch
+from .. import autocast, microbatch
 
 __all__ = ["Recomputable", "random_turns", "run_checkpointed", "overwrites_input", "is_checkpointing",
            "is_recomputing", "recomputing", "warm_up"]

@@ -4,15 +4,15 @@ PipeMare, and ``Pipe.stream``): batch t + 1 enters before batch t has left.
 One long-lived run per worker, on a thread of its own, follows its stage's lazily made order
 (:func:`rrefpipe.schedule.stream_order`): forwards, backwards and, under training, ``U``, the stage's
 own optimizer step with one batch's gradient, as soon as that batch's backward is done there. It is
-:mod:`rrefpipe.scheduled`'s step run with two changes:
+:mod:`rrefpipe.stage_side.scheduled`'s step run with two changes:
 
 * micro-batches are numbered across batches (``g``), so the messages of batch t + 1 never meet those
   of batch t, and the stream is one "step" of the mailbox for as long as it lasts;
-* each batch runs on the weight version its rule gives (:mod:`rrefpipe.versions`), its gradients
+* each batch runs on the weight version its rule gives (:mod:`rrefpipe.stage_side.versions`), its gradients
   summed in leaves of its own and applied by ``U``; nothing goes through distributed autograd, whose
   contexts end only with a backward that a stream never finishes.
 
-The driver (:mod:`rrefpipe.streaming`) announces each batch (its rows; the input to the first stage,
+The driver (:mod:`rrefpipe.driver_side.streaming`) announces each batch (its rows; the input to the first stage,
 the target to the last) and finally the number of batches; the last stage sends each batch's losses
 (or, forward only, its output) to the driver as soon as it has them.
 """
@@ -31,15 +31,16 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from . import microbatch, stage_optim
-from .autocast import AutocastRegion
-from .errors import Failure
-from .loss import weights
-from .microbatch import TensorOrTensors
-from .schedule import Action, PipeMareOptions, checkpoint_stop, stream_order, weight_version
+from .. import microbatch
+from . import stage_optim
+from ..autocast import AutocastRegion
+from ..errors import Failure
+from ..loss import weights
+from ..microbatch import TensorOrTensors
+from ..schedule import Action, PipeMareOptions, checkpoint_stop, stream_order, weight_version
 from . import server
 from .scheduled import Payload, StepPlan, StepReport, _mailbox, _own_storage, _StepRun
-from .skip.tracker import SkipKey
+from ..skip.tracker import SkipKey
 from .stage import StageOutput, StepMeta
 from .transfer import to_device
 from .versions import StageWeights

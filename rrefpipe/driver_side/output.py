@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _rpc
+from .. import _rpc
 
 __all__ = ["PipeRRef", "RemotePipeRRef"]
 

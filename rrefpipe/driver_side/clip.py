@@ -4,7 +4,7 @@
 Each stage reduces its own gradients to one norm where they are, the driver combines the norms into
 the total (the norm of all gradients as one vector, as ``clip_grad_norm_`` takes it), and each stage
 scales its gradients in the context in place, where ``DistributedOptimizer.step`` then reads them
-(the stages' part is in :mod:`rrefpipe.gradients`; this is the driver's).
+(the stages' part is in :mod:`rrefpipe.stage_side.gradients`; this is the driver's).
 Norms are taken in float32 at least (torch takes a bfloat16 norm of bfloat16 gradients).
 """
 from __future__ import annotations
