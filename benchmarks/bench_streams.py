@@ -45,7 +45,7 @@ every other round and at every other m (so a steady drift of the machine's speed
    ``vertical_sync=True`` and PipeMare, each with the stream's rollback (the default: undo records of
    the last ``streaming.undo_depth(n, m)`` updates) and with ``train_stream(rollback=False)``, a stream
    of ``--memory-batches`` batches with a probe installed on each worker over RPC (``on_worker``; no
-   change to rrefpipe): it wraps ``rrefpipe.versions.StageWeights.leaves`` and ``.update`` in that
+   change to rrefpipe): it wraps ``rrefpipe.stage_side.versions.StageWeights.leaves`` and ``.update`` in that
    worker process and, after each call, counts the bytes of the distinct storages holding the stage's
    weights. ``steady``: the live parameters, the kept versions and the leaves of every batch still in
    flight, the most over the stream after each ``leaves`` and each update (not counting the
@@ -317,7 +317,7 @@ def _install_weight_probe() -> None:
     stage's first Parameter."""
     import weakref
 
-    from rrefpipe.versions import StageWeights
+    from rrefpipe.stage_side.versions import StageWeights
 
     if getattr(StageWeights, "_bench_probe", None) is not None:
         return
@@ -355,8 +355,8 @@ def _install_weight_probe() -> None:
         record(self, set(), ())
         return out
 
-    def update(self: Any, applied: dict[str, Tensor], step: Any, *, keep: bool) -> Any:
-        before = original["update"](self, applied, step, keep=keep)
+    def update(self: Any, applied: dict[str, Tensor], step: Any, **kwargs: Any) -> Any:
+        before = original["update"](self, applied, step, **kwargs)
         fresh = list(before.values()) if isinstance(before, dict) else []  # (what an undo record may keep)
         record(self, {id(t) for t in applied.values()}, fresh)
         tracked.setdefault((id(self), "undo"), []).extend(weakref.ref(t) for t in fresh)
@@ -369,8 +369,8 @@ def _install_weight_probe() -> None:
 def _weight_probe_report(pipe_id: str, stages: Sequence[int], remove: bool) -> dict[int, dict[str, Any]]:
     """(On a worker.) The probe's counts for this worker's stages of ``pipe_id``, with each stage's weight
     bytes; ``remove``: restore ``StageWeights`` as it was."""
-    from rrefpipe import server
-    from rrefpipe.versions import StageWeights
+    from rrefpipe.stage_side import server
+    from rrefpipe.stage_side.versions import StageWeights
 
     stats, original = StageWeights._bench_probe
     out = {}
@@ -393,7 +393,7 @@ def weight_memory(names: Sequence[str], model: nn.Sequential, bal: Sequence[int]
     (``train_stream(rollback=False)``), a stream of ``batches`` batches with the probe on both workers:
     each stage's most weight bytes held (steady, with the undo records, peak), in buffers, against
     ``weight_buffers``."""
-    from rrefpipe import streaming
+    from rrefpipe.driver_side import streaming
     from rrefpipe.schedule import weight_buffers
 
     rows = []
@@ -437,7 +437,7 @@ def weight_memory(names: Sequence[str], model: nn.Sequential, bal: Sequence[int]
 # -- a cell: one chunk count ------------------------------------------------------------------------
 def run_cell(names: Sequence[str], pids: Sequence[int], model: nn.Sequential, bal: Sequence[int],
              data: tuple[Tensor, Tensor], m: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
-    from rrefpipe.streaming import default_in_flight
+    from rrefpipe.driver_side.streaming import default_in_flight
 
     load = loadavg()
     rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in ROUND}

@@ -200,7 +200,7 @@ _buffer_peaks: dict[str, int] = {}
 def track_weight_buffers() -> None:
     """On a stage worker: from now on, record the most weight buffers each stage's ``StageWeights`` holds
     right after an update (keyed by its first parameter's name); idempotent."""
-    from rrefpipe import versions
+    from rrefpipe.stage_side import versions
 
     _buffer_peaks.clear()
     if getattr(versions.StageWeights.update, "tracked", False):
