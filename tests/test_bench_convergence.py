@@ -33,13 +33,16 @@ def finite(values: Any) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
 def test_quick_run_writes_finite_curves_for_every_rule(tmp_path: Path) -> None:
     out = tmp_path / "convergence.json"
-    run = subprocess.run([sys.executable, "bench_convergence.py", "--quick", "--out", str(out)], cwd=BENCHMARKS,
+    # the digits task only: the GPT's capture (torch.export) would double the run; the suite's any-model
+    # tests capture that GPT already
+    run = subprocess.run([sys.executable, "bench_convergence.py", "--quick", "--tasks", "digits", "--out", str(out)],
+                         cwd=BENCHMARKS,
                          capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] is True and result["wall_s"] > 0
     assert Path(result["settings"]["png"]) == out.with_suffix(".png") and out.with_suffix(".png").stat().st_size > 0
-    assert [t["name"] for t in result["tasks"]] == ["digits", "gpt"]
+    assert [t["name"] for t in result["tasks"]] == ["digits"]
     for task in result["tasks"]:
         assert task["stages"] == 2 and task["budget_s"] == 0.5 and task["rounds"] >= 1
         assert [r["key"] for r in task["runs"]] == QUICK_RUNS
@@ -67,7 +70,7 @@ def test_quick_run_writes_finite_curves_for_every_rule(tmp_path: Path) -> None:
         gpipe = next(r for r in task["runs"] if r["key"] == "gpipe")
         n = min(ref["batches"], gpipe["batches"])
         assert gpipe["loss"][:n] == pytest.approx(ref["loss"][:n], rel=1e-4)
-    assert len(result["targets"]) == 2 * len(ASYNC)
+    assert len(result["targets"]) == len(ASYNC)  # one task
     assert "within 1 pt" in run.stdout and "targets (issue 50)" in run.stdout
 
 

@@ -181,7 +181,7 @@ def test_worker_stuck_in_a_stage_leaves_when_the_driver_is_killed(tmp_path):
     try:
         _wait_until_stuck(stuck, driver)  # the second worker's RPC thread is now stuck for good
         assert all(w.poll() is None for w in workers)
-        _kill_driver(driver, [w.pid for w in workers], within=20)
+        _kill_driver(driver, [w.pid for w in workers], within=30)  # (two store checks, each up to 5 s, under load)
     finally:
         for proc in (driver, *workers):
             proc.kill()

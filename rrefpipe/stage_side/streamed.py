@@ -318,7 +318,8 @@ class _StreamRun(_StepRun):
         if self.stream.forward_only:
             batch.outputs.append(output)
             if len(batch.outputs) == len(batch.rows):
-                self._deliver(t, microbatch.gather(batch.outputs))
+                last = self.servers[self.stream.stages - 1]  # the driver takes CPU tensors (no device maps)
+                self._deliver(t, last._outbound(microbatch.gather(batch.outputs), None))
             return None  # type: ignore[return-value]  # (nothing to backpropagate)
         loss = super()._loss(g, output)
         self.targets.pop(g)
