@@ -163,6 +163,12 @@ def test_a_forward_stream_names_the_failing_input_and_recovers(pipe):
             clean = [x for x, _ in batches(3, 4, seed=8)]
             for y, x in zip(pipe.stream(clean), clean):
                 torch.testing.assert_close(y, plain.eval()(x))
+            outputs = pipe.stream(x for x, _ in batches(50, 4, seed=10))
+            for t, _ in enumerate(outputs):  # leaving a forward stream early: it ends, the pipe is free
+                if t == 1:
+                    break
+            outputs.close()
+            torch.testing.assert_close(pipe(clean[0]).local_value(), plain(clean[0]))
     finally:
         pipe.train()
     assert_no_stream_threads(pipe)
