@@ -98,6 +98,24 @@ def summary(samples: Sequence[float]) -> dict[str, Any]:
             "n": len(data), "samples_ms": [ms(t) for t in samples]}
 
 
+def one_process_step(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
+                     chunks: int, lr: float) -> Callable[[], None]:
+    """The physical limit's unit of work: one process's micro-batched training step on a copy of
+    ``model`` (``zero_grad``; for each of the ``chunks`` micro-batches forward, loss over ``chunks``, a
+    mean like the pipelines', and backward; then an SGD step). Time it with 1 intra-op thread."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    xs, ys = data[0].tensor_split(chunks), data[1].tensor_split(chunks)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for xi, yi in zip(xs, ys):
+            (loss_fn(model(xi), yi) / chunks).backward()
+        opt.step()
+
+    return step
+
+
 def time_calls(fn: Timer, warmup: int, repeats: int) -> list[float]:
     for _ in range(warmup):
         fn()

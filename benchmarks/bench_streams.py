@@ -100,7 +100,8 @@ import torch.distributed.rpc as rpc  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from bench_core import exit_without_teardown, loadavg, machine_info, ms, stage_compute, summary  # noqa: E402
+from bench_core import (exit_without_teardown, loadavg, machine_info, ms, one_process_step, stage_compute,  # noqa: E402
+                        summary)
 from bench_suite import add_run_args, log, new_parser, print_written, run_and_report  # noqa: E402
 from suite_record import proc_delta, proc_stat  # noqa: E402
 from suite_report import cpu_total_ms  # noqa: E402
@@ -210,19 +211,8 @@ def infer_round(pipe: Any, x: Tensor, streamed: bool, in_flight: int | None, arg
 # -- the physical limit --------------------------------------------------------------------------------
 def physical_train(model: nn.Sequential, data: tuple[Tensor, Tensor], chunks: int, warmup: int,
                    repeats: int) -> dict[str, Any]:
-    """One process's micro-batched step, 1 intra-op thread, as ``sched_zero_bubble.physical_step``:
-    ``zero_grad``; for each of the m micro-batches forward, loss (over m) and backward; the SGD step."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    xs, ys = data[0].tensor_split(chunks), data[1].tensor_split(chunks)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        for xi, yi in zip(xs, ys):
-            (F.cross_entropy(model(xi), yi) / chunks).backward()
-        opt.step()
-
-    return _timed(step, warmup, repeats)
+    """One process's micro-batched step (``bench_core.one_process_step``), 1 intra-op thread."""
+    return _timed(one_process_step(model, data, F.cross_entropy, chunks, LR), warmup, repeats)
 
 
 def physical_forward(model: nn.Sequential, x: Tensor, chunks: int, warmup: int, repeats: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from bench_core import loadavg, ms, summary
+from bench_core import loadavg, ms, one_process_step, summary, time_calls
 from bench_schedules import CONTROL, _f, _pm, _ratio, _target, cores, cores_used, gm_se, time_train_step
 from bench_suite import log, pipelining_row, pooled
 from suite_models import SPECS, ModelSpec, split
@@ -201,30 +201,13 @@ def split_backward_costs(model: nn.Sequential, bal: Sequence[int], x: Tensor, ro
 # -- the physical limit -----------------------------------------------------------------------------
 def physical_step(model: nn.Sequential, data: tuple[Tensor, Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
                   chunks: int, warmup: int, repeats: int) -> dict[str, Any]:
-    """One process's micro-batched step, 1 intra-op thread: ``zero_grad``; for each of the ``chunks``
-    micro-batches forward, loss (over ``chunks``, a mean like the pipelines') and backward; the SGD step.
+    """One process's micro-batched step (``bench_core.one_process_step``), 1 intra-op thread.
     ``physical_step_ms`` is its median over the ``P`` workers: no pipeline on ``P`` workers can do it
     faster unless its stages compute faster than this process does."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    xs, ys = data[0].tensor_split(chunks), data[1].tensor_split(chunks)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        for xi, yi in zip(xs, ys):
-            (loss_fn(model(xi), yi) / chunks).backward()
-        opt.step()
-
     try:
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        times = time_calls(one_process_step(model, data, loss_fn, chunks, LR), warmup, repeats)
     finally:
         torch.set_num_threads(saved)
     return {"step": summary(times)}
