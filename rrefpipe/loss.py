@@ -24,8 +24,7 @@ def split_target(value: TensorOrTensors, target: TensorOrTensors, chunks: int) -
     """
     batches = microbatch.scatter(value, chunks)
     targets = microbatch.scatter(target, chunks, "train_step target")
-    rows = tuple(microbatch.as_tensors(b)[0].size(0) for b in batches)
-    target_rows = tuple(microbatch.as_tensors(t)[0].size(0) for t in targets)
+    rows, target_rows = microbatch.rows(batches), microbatch.rows(targets)
     if rows != target_rows:
         raise ValueError(f"the target has {sum(target_rows)} rows and the input {sum(rows)}: they must share "
                          "their batch size (dim 0), so that micro-batch i of the target goes with micro-batch i "

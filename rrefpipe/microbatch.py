@@ -1,7 +1,7 @@
 """Splitting a mini-batch into micro-batches along dim 0 and gathering the outputs back, in order."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import torch
@@ -83,6 +83,11 @@ def scatter(value: TensorOrTensors, chunks: int, where: str = "Pipe input") -> l
     if isinstance(value, Tensor):
         return list(pieces[0])
     return [tuple(group) for group in zip(*pieces)]
+
+
+def rows(parts: Sequence[TensorOrTensors]) -> tuple[int, ...]:
+    """The batch size (dim 0) of each of ``parts`` (micro-batches, as ``scatter`` gives them)."""
+    return tuple(as_tensors(part)[0].size(0) for part in parts)
 
 
 def gather(outputs: list[TensorOrTensors]) -> TensorOrTensors:

@@ -12,7 +12,6 @@ A failure anywhere calls the stream off on every worker, as a failed step is (:m
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -26,7 +25,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from .. import _rpc, autocast, microbatch, replicas
-from ..stage_side import scheduled, streamed
+from ..stage_side import streamed
 from ..captured import StructuredLoss
 from .remote import _pickled_loss, _send_copy
 from .local import LocalDriver
@@ -36,11 +35,9 @@ from ..loss import mean_loss, split_target
 from ..microbatch import TensorOrTensors
 from ..schedule import PipeMareOptions, is_async
 from ..stage_side.streamed import StreamPlan, StreamReport
-from .training import _explained
+from .training import ABORT_WAIT, _explained, call_off
 
 __all__: list[str] = []
-
-_DRAIN_WAIT = 5.0  # seconds the workers get to end a stream called off, before the error is raised
 
 
 @dataclass
@@ -160,9 +157,7 @@ def _finish(driver: Any, inbox: _Inbox, step: int, batches: int, workers: list[s
                                    timeout=driver.rpc_timeout)
     if not done:
         late = [w for i, w in enumerate(workers) if i not in inbox.reports]
-        for worker in late:  # called off: none keeps running
-            with contextlib.suppress(Exception):
-                rpc.rpc_async(worker, scheduled.abort, args=(driver.pipe_id, step), timeout=_DRAIN_WAIT)
+        call_off(driver.pipe_id, step, late)  # none keeps running
         with inbox.cond:
             for i, worker in enumerate(workers):
                 inbox.reports.setdefault(i, StreamReport(failure=Failure(
@@ -193,7 +188,7 @@ def _start(pipe_id: str, workers: list[str], plan: StreamPlan, request: StreamRe
 def _rows(value: TensorOrTensors, target: TensorOrTensors | None, chunks: int, forward_only: bool
           ) -> tuple[int, ...]:
     if forward_only:
-        return tuple(microbatch.as_tensors(b)[0].size(0) for b in microbatch.scatter(value, chunks))
+        return microbatch.rows(microbatch.scatter(value, chunks))
     assert target is not None
     return split_target(value, target, chunks)
 
@@ -227,13 +222,9 @@ def _raise_failure(driver: Any, inbox: _Inbox, step: int, workers: list[str], ro
     the last update all of them applied, and raise the first cause, saying which weights are left."""
     if not inbox.failures():
         return
-    for worker in workers:
-        try:
-            rpc.rpc_async(worker, scheduled.abort, args=(driver.pipe_id, step), timeout=_DRAIN_WAIT)
-        except Exception:
-            pass
+    call_off(driver.pipe_id, step, workers)
     with inbox.cond:
-        inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers), timeout=_DRAIN_WAIT)
+        inbox.cond.wait_for(lambda: len(inbox.reports) == len(workers), timeout=ABORT_WAIT)
         failures = inbox.failures()
         updates = {j: u for report in inbox.reports.values() for j, u in report.updates.items()}
     error = _explained(first_cause(failures), driver.workers)

@@ -22,7 +22,7 @@ from ..stage_side.scheduled import StepPlan, StepReport
 
 __all__: list[str] = []
 
-_ABORT_WAIT = 5.0  # seconds the other workers get to end a step called off, before the error is raised
+ABORT_WAIT = 5.0  # seconds the other workers get to end a step called off, before the error is raised
 
 
 def run(pipe_id: str, workers: Sequence[str], plan: StepPlan, value: TensorOrTensors, target: TensorOrTensors,
@@ -54,7 +54,7 @@ def run(pipe_id: str, workers: Sequence[str], plan: StepPlan, value: TensorOrTen
 
 def _wait(calls: list[Future[StepReport] | Failure], workers: Sequence[str], pipe_id: str,
           step: int) -> list[StepReport]:
-    """Every worker's report; once one has failed, the others are called off and get ``_ABORT_WAIT``
+    """Every worker's report; once one has failed, the others are called off and get ``ABORT_WAIT``
     seconds to answer (a worker stuck in a layer may never), after which they count as cancelled."""
     reports: list[StepReport | None] = [StepReport(failure=c) if isinstance(c, Failure) else None for c in calls]
     changed = threading.Condition()
@@ -77,14 +77,20 @@ def _wait(calls: list[Future[StepReport] | Failure], workers: Sequence[str], pip
             changed.wait()
     if all(reports):
         return reports  # type: ignore[return-value]
+    call_off(pipe_id, step, workers)
+    with changed:
+        changed.wait_for(lambda: all(reports), timeout=ABORT_WAIT)
+        return [r if r is not None else StepReport(failure=_cancelled(w, workers[w])) for w, r in enumerate(reports)]
+
+
+def call_off(pipe_id: str, step: int, workers: Sequence[str]) -> None:
+    """Tell each of ``workers`` (once each) to end step ``step`` of the pipe (a training step or a stream)
+    at its next wait; a worker known to be gone is skipped."""
     for worker in dict.fromkeys(workers):
         try:
-            rpc.rpc_async(worker, scheduled.abort, args=(pipe_id, step), timeout=_ABORT_WAIT)
+            rpc.rpc_async(worker, scheduled.abort, args=(pipe_id, step), timeout=ABORT_WAIT)
         except Exception:
-            pass  # a worker known to be gone
-    with changed:
-        changed.wait_for(lambda: all(reports), timeout=_ABORT_WAIT)
-        return [r if r is not None else StepReport(failure=_cancelled(w, workers[w])) for w, r in enumerate(reports)]
+            pass
 
 
 def _any_failed(reports: list[StepReport | None]) -> bool:

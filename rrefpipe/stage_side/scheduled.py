@@ -200,25 +200,32 @@ class _StepRun:
 
     def __init__(self, pipe_id: str, worker_index: int, plan: StepPlan, value: TensorOrTensors | None,
                  target: TensorOrTensors | None, loss_fn: Callable[..., Tensor] | None) -> None:
+        self.orders = worker_orders(plan.schedule, plan.stages, plan.chunks, plan.stages_per_worker)[worker_index]
+        self._hold(pipe_id, plan, sorted({a.j for a in self.orders}), plan.meta(), loss_fn)
+        self._value, self._target = value, target
+        self.weights.update(enumerate(weights(plan.rows)))
+
+    def _hold(self, pipe_id: str, plan: StepPlan, stages: Sequence[int], meta: StepMeta,
+              loss_fn: Callable[..., Tensor] | None) -> None:
+        """What a run of this worker's ``stages`` holds, a step's or a stream's (``streamed``): messages,
+        micro-batches in flight by number, the last stage's losses."""
         self.pipe_id = pipe_id
         self.plan = plan
         self.name = rpc.get_worker_info().name
         self.box = _mailbox(pipe_id)
-        self.orders = worker_orders(plan.schedule, plan.stages, plan.chunks, plan.stages_per_worker)[worker_index]
-        self.servers = {j: server._server(pipe_id, j) for j in sorted({a.j for a in self.orders})}
-        self.meta = plan.meta()
+        self.servers = {j: server._server(pipe_id, j) for j in stages}
+        self.meta = meta
         self.loss_fn = loss_fn
         # by micro-batch (a continuous pipeline numbers them across batches: ``streamed``)
         self.batches: dict[int, TensorOrTensors] = {}
         self.targets: dict[int, TensorOrTensors] = {}
+        self.weights: dict[int, float] = {}  # each micro-batch's share of its batch's loss (by rows)
         self.sent: list[Future[Any]] = []
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.later: dict[tuple[int, int], backward_split.WeightGradients] = {}  # W of (j, i), after its I
         self.params = ({j: list(srv.stage.module.parameters()) for j, srv in self.servers.items()}
                        if self.meta.split_backward else {})  # what W accumulates into, per stage
         self.losses: list[Tensor] = []
-        self._value, self._target = value, target
-        self.weights: dict[int, float] = dict(enumerate(weights(plan.rows)))
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self) -> StepReport:
@@ -276,12 +283,12 @@ class _StepRun:
                 # Each micro-batch in storage of its own, so that its forward's saved input goes with its
                 # backward: views would keep the whole batch until the step's last backward (1F1B's bound).
                 self.batches = dict(enumerate(microbatch.apply(_own_storage, b)
-                                              for b in _split_on(first, self._value, self.plan)))
+                                              for b in _split_on(first, self._value, self.plan.chunks)))
             self._value = None
         last = self.servers.get(self.plan.stages - 1)
         if last is not None and self._target is not None:  # loss_fn gets it where the output is
             with last.stream.running():
-                self.targets = dict(enumerate(_split_on(last, self._target, self.plan)))
+                self.targets = dict(enumerate(_split_on(last, self._target, self.plan.chunks)))
 
     def _forward(self, j: int, i: int) -> None:
         srv = self.servers[j]
@@ -531,10 +538,10 @@ def _ready_events(payload: Payload) -> list[torch.cuda.Event]:
     return events
 
 
-def _split_on(srv: StageServer, value: TensorOrTensors, plan: StepPlan) -> list[TensorOrTensors]:
-    """``value`` on the stage's device (one copy, on the current stream), split into the step's micro-batches."""
+def _split_on(srv: StageServer, value: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:
+    """``value`` on the stage's device (one copy, on the current stream), split into ``chunks`` micro-batches."""
     device = srv.stage.device
-    return microbatch.scatter(microbatch.apply(lambda t: to_device(t, device), value), plan.chunks)
+    return microbatch.scatter(microbatch.apply(lambda t: to_device(t, device), value), chunks)
 
 
 def _own_storage(t: Tensor) -> Tensor:

@@ -18,10 +18,10 @@ the target to the last) and finally the number of batches; the last stage sends 
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
 import copy
+import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -32,17 +32,15 @@ from torch import Tensor
 from torch.futures import Future
 
 from .. import microbatch
-from . import stage_optim
 from ..autocast import AutocastRegion
 from ..errors import Failure
 from ..loss import weights
 from ..microbatch import TensorOrTensors
 from ..schedule import Action, PipeMareOptions, checkpoint_stop, stream_order, weight_version
-from . import server
-from .scheduled import Payload, StepPlan, StepReport, _mailbox, _own_storage, _StepRun
 from ..skip.tracker import SkipKey
+from . import server, stage_optim
+from .scheduled import Payload, StepPlan, StepReport, _mailbox, _own_storage, _split_on, _StepRun
 from .stage import StageOutput, StepMeta
-from .transfer import to_device
 from .versions import StageWeights
 
 __all__: list[str] = []
@@ -124,26 +122,15 @@ class _StreamRun(_StepRun):
     def __init__(self, pipe_id: str, worker_index: int, plan: StreamPlan, loss_fn: Callable[..., Tensor] | None
                  ) -> None:
         self.stream = plan
-        step_plan = plan.as_step()
-        self.pipe_id = pipe_id
-        self.plan = step_plan
-        self.name = rpc.get_worker_info().name
-        self.box = _mailbox(pipe_id)
-        mine = [j for j, w in enumerate(plan.workers) if w == self.name]
-        self.servers = {j: server._server(pipe_id, j) for j in mine}
-        self.loss_fn = loss_fn
-        self.sent = []
-        self.kept = {}
-        self.later = {}
-        self.params = {}
-        self.losses = []
-        self.batches: dict[int, TensorOrTensors] = {}  # the first stage's micro-batches, by g
-        self.targets: dict[int, TensorOrTensors] = {}  # the last stage's
+        name = rpc.get_worker_info().name
+        mine = [j for j, w in enumerate(plan.workers) if w == name]
+        meta = StepMeta(step=plan.step, chunks=plan.chunks, checkpoint_stop=0, grad_enabled=not plan.forward_only,
+                        driver=plan.driver, timeout=plan.timeout)  # (each batch runs under one of its own)
+        self._hold(pipe_id, plan.as_step(), mine, meta, loss_fn)
         self.batch: dict[int, _Batch] = {}
         self.where: dict[int, tuple[int, int]] = {}  # g -> (t, i)
         self.next_first = 0
         self.announced: dict[int, int | None] = {}
-        self.weights: dict[int, float] = {}  # g -> micro-batch g's share of its batch's loss (by rows)
         self.versions = {j: StageWeights(self.servers[j].stage.module, stash=plan.schedule != "PipeMare")
                          for j in mine} if not plan.forward_only else {}
         self.undo: dict[int, deque[_Undo]] = {j: deque(maxlen=plan.undo_depth) for j in self.versions}
@@ -155,8 +142,6 @@ class _StreamRun(_StepRun):
         self.velocity = {j: {name: torch.zeros_like(p) for name, p in v.params.items()}
                          for j, v in self.versions.items()} if correcting else {}  # PipeMare's T2, per stage
         self.action: Action | None = None
-        self.meta = StepMeta(step=plan.step, chunks=plan.chunks, checkpoint_stop=0, grad_enabled=not plan.forward_only,
-                             driver=plan.driver, timeout=plan.timeout)
 
     # -- the order ---------------------------------------------------------------------------------
     def _orders(self) -> Iterator[Action]:
@@ -212,14 +197,12 @@ class _StreamRun(_StepRun):
         if value is not None:
             srv = self.servers[0]
             with srv.stream.running():
-                parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), value), m)
-                for i, part in enumerate(parts):
+                for i, part in enumerate(_split_on(srv, value, m)):
                     self.batches[first + i] = microbatch.apply(_own_storage, part)
         if target is not None:
             srv = self.servers[self.stream.stages - 1]
             with srv.stream.running():
-                parts = microbatch.scatter(microbatch.apply(lambda x: to_device(x, srv.stage.device), target), m)
-                for i, part in enumerate(parts):
+                for i, part in enumerate(_split_on(srv, target, m)):
                     self.targets[first + i] = part
         self.announced[t] = m
 
