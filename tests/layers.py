@@ -435,6 +435,22 @@ class RaiseInBackward(nn.Module):
         return _RaiseInBackward.apply(x, self.message)
 
 
+class RaiseInBackwardOn(nn.Module):
+    """``x * scale`` (a parameter, 1 at first, so that the output has a backward even where ``x`` needs no
+    gradient); on a micro-batch that holds ``value``, its backward raises ValueError."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * self.scale
+        if bool((x == self.value).any()):
+            return _RaiseInBackward.apply(y, f"backward of a micro-batch holding {self.value}")
+        return y
+
+
 class RaiseInRecompute(nn.Module):
     """Fine in forward; raises when checkpointing recomputes it in backward."""
 

@@ -297,7 +297,7 @@ class ParamGroup(MutableMapping[str, Any]):
 class StageSchedulers:
     """A learning-rate scheduler on every stage's optimizer, built from a cloudpickled ``(scheduler, args,
     kwargs)``; what :class:`rrefpipe.optim.RemoteLRScheduler` holds for a :class:`PipeOptimizer`. Code on
-    the workers finds them with ``stage_optim.schedulers``."""
+    the workers finds them with ``stage_optim.schedulers`` or, by its ``id``, ``stage_optim.scheduler``."""
 
     def __init__(self, owner: PipeOptimizer, factory: bytes) -> None:
         self._owner = owner

@@ -95,7 +95,7 @@ class _Undo:
     updates: int  # the stage's update count before it
     weights: dict[str, Tensor]
     optimizer: dict[str, Any]
-    schedulers: list[dict[str, Any]]
+    schedulers: list[tuple[Any, dict[str, Any]]]  # the LR schedulers it stepped, each with its state before
 
 
 # By (pipe id, stage): the undo records of the stage's last updates, kept after a run that failed until
@@ -343,7 +343,8 @@ class _StreamRun(_StepRun):
         def step() -> None:
             with stage_optim.lock(self.pipe_id, opt_id):
                 if s.undo_depth:  # (the copies cost a stage's optimizer state per update)
-                    states[:] = [copy.deepcopy(optimizer.state_dict()), [copy.deepcopy(x.state_dict()) for x in schedulers]]
+                    states[:] = [copy.deepcopy(optimizer.state_dict()),
+                                 [(x, copy.deepcopy(x.state_dict())) for x in schedulers]]
                 lrs = [group["lr"] for group in optimizer.param_groups]
                 for group in optimizer.param_groups:  # PipeMare's rescheduling (T1): this update only
                     group["lr"] = group["lr"] * factor
@@ -403,7 +404,7 @@ def roll_back(pipe_id: str, j: int, updates: int) -> str | None:
         p.data = record.weights[name]
     with stage_optim.lock(pipe_id, optimizer_id):
         stage_optim.optimizer(pipe_id, optimizer_id, j).load_state_dict(record.optimizer)
-        for scheduler, state in zip(stage_optim.schedulers(pipe_id, optimizer_id, j), record.schedulers):
+        for scheduler, state in record.schedulers:
             scheduler.load_state_dict(state)
     return None
 

@@ -12,22 +12,26 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.lr_scheduler import StepLR
 
 from rrefpipe import Pipe, StageError
+from rrefpipe.optim import RemoteLRScheduler
 from rrefpipe.driver_side.streaming import default_in_flight
 from tests.distributed.probes import stream_threads
 from tests.distributed.test_streams import batches, rule, simulate, stage_names
-from tests.layers import SENTINEL, BoomOnHuge, twin
+from tests.layers import SENTINEL, BoomOnHuge, RaiseInBackwardOn, twin
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def model() -> nn.Sequential:
     torch.manual_seed(8)
-    return nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 8), BoomOnHuge(), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(RaiseInBackwardOn(BACKWARD_FAIL), nn.Linear(5, 8), nn.Linear(8, 8), BoomOnHuge(), nn.Tanh(),
+                         nn.Linear(8, 3))
 
 
-BALANCE = [1, 4]  # the check on stage 1
+BACKWARD_FAIL = 123.25  # in a micro-batch's input: its backward on stage 0 raises
+BALANCE = [2, 4]  # the forward's check on stage 1
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +93,26 @@ def test_a_layer_raising_mid_stream_names_stage_worker_batch_and_micro_batch(pip
     clean = batches(3, 4, seed=2)
     assert len(list(pipe.train_stream(clean, F.cross_entropy, optimizer))) == 3
     assert_weights_after(pipe, clean)
+
+
+def test_the_rollback_takes_back_the_update_only_the_last_stage_applied(pipe):
+    """Stage 0's backward of batch 3's last micro-batch raises after stage 1 sent it that gradient and,
+    with no wait in between, applied batch 3: stage 1 holds one update more, and is rolled back to 3,
+    its LR schedule too. Two schedules are built on the optimizer and the second passed: each stage steps
+    that one only (gamma 1: the learning rate, and so the rule's weights, stay as they are)."""
+    optimizer = fresh(pipe)
+    other = RemoteLRScheduler(optimizer, StepLR, step_size=1, gamma=1.0)
+    scheduler = RemoteLRScheduler(optimizer, StepLR, step_size=1, gamma=1.0)
+    data = batches(6, 4, seed=11)
+    data[3][0][3] = BACKWARD_FAIL  # batch 3, micro-batch 1 of 2
+    with pytest.raises(StageError, match="backward of a micro-batch holding") as info:
+        list(pipe.train_stream(data, F.cross_entropy, optimizer, lr_scheduler=scheduler))
+    assert (info.value.stage, info.value.microbatch) == (0, 1) and "batch 3" in info.value.phase
+    assert "after 3 update(s)" in info.value.__notes__[-1], info.value.__notes__
+    assert_weights_after(pipe, data[:3], optimizer)
+    assert [state["last_epoch"] for state in scheduler.state_dict()] == [3, 3]
+    assert [state["last_epoch"] for state in other.state_dict()] == [0, 0]
+    assert_no_stream_threads(pipe)
 
 
 def test_an_iterable_that_raises_finishes_what_was_fed_then_raises(pipe):
