@@ -9,8 +9,9 @@ from .pipe import Pipe
 from .schedule import PipeMareOptions
 from .stage_side.stage import StageInfo
 from .trace import Event, format_events
+from .weights import meta_parameters
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
            "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
-           "CaptureError", "PipeMareOptions"]
+           "CaptureError", "PipeMareOptions", "meta_parameters"]
 __version__ = "0.1.0"

@@ -78,8 +78,11 @@ def uniform_balance(num_layers: int, num_stages: int) -> list[int]:
 
 
 def module_device(module: nn.Module, where: str) -> torch.device | None:
-    """The one device holding ``module``'s parameters and buffers (None when it has none)."""
+    """The one device holding ``module``'s parameters and buffers (None when it has none). Tensors on the
+    meta device (a model built there, made on the stage's worker) count only where all are."""
     devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+    if len(devices) > 1:
+        devices.discard(torch.device("meta"))
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(f"{where} has parameters on several devices ({names}); all of one stage must be on one device "

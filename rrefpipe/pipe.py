@@ -32,7 +32,10 @@ from .schedule import PipeMareOptions, check_schedule, parse_schedule
 from .partition import (balance_by_placement, check_balance, check_checkpoint, check_chunks, module_device,
                         check_unshared, split_module, split_state_dict, uniform_balance, verify_module)
 from .seeding import driver_seed
+from .stage_side.materialize import StageInit, meta_tensors
 from .stage_side.server import StageSpec
+from .driver_side.init_plan import plan_init
+from .weights import InitSpec
 from .skip.skippable import verify_skippables
 from .stage_side.stage import StageInfo
 from .trace import Event
@@ -160,9 +163,11 @@ class Pipe(nn.Module):
         stages_per_worker: int = 1,
         split_points: Sequence[str] | None = None,
         vertical_sync: bool = False,
+        init: InitSpec = None,
     ) -> None:
         super().__init__()
         self._captured: CapturedPipeModel | None = None
+        original = module
         if wants_capture(module, split_points):
             self._captured = self._capture(module, sample, split_points, balance, deferred_batch_norm, remote_output)
             assert self._captured.layers is not None
@@ -202,12 +207,17 @@ class Pipe(nn.Module):
                                      "most one worker per layer")
                 balance = uniform_balance(len(module), len(workers))
                 stage_devices = stage_devices * len(balance)
+        stage_devices = [torch.device("cpu") if d.type == "meta" else d for d in stage_devices]  # made on workers
         stages = split_module(module, balance)
         for j, stage in enumerate(stages):
             module_device(stage, f"stage {j}")
         check_schedule(self.schedule, len(stages), self.chunks, self.stages_per_worker)
         self.balance = list(balance)
         if _rpc.is_initialized() and len(_rpc.worker_names()) == 1:
+            if init is not None or any(True for _ in meta_tensors(module)):
+                raise ValueError("init= and models on the meta device build each stage on its worker, and this RPC "
+                                 "group has only this process: start workers (or let rrefpipe start them, without "
+                                 "init_rpc), or load the weights into the model before the Pipe")
             if workers:
                 raise ValueError(f"workers {list(workers)} named, but this RPC group has only this process")
             placement.check_local_devices(stage_devices)
@@ -222,13 +232,26 @@ class Pipe(nn.Module):
             if self._captured is None:  # a captured model's tied parameters get a copy per stage (summed)
                 check_unshared(stages)
             seed = driver_seed()
-            specs = [placement.stage_spec(j, stage, None, stage_devices, seed) for j, stage in enumerate(stages)]
+            inits = self._plan_init(init, stages, original, seed)
+            specs = [placement.stage_spec(j, stage, None, stage_devices, seed, inits[j])
+                     for j, stage in enumerate(stages)]
             self._driver = self._place(specs, workers, stage_devices)
             if self._captured is not None:
                 self._captured.layers = None  # on the workers now: the driver keeps no copy
                 if self._captured.tied:
                     self._driver.tie([{j: f"{j}.graph.{name}" for j, name in t.names.items()}
                                       for t in self._captured.tied])
+
+    def _plan_init(self, init: InitSpec, stages: list[nn.Sequential], original: nn.Module,
+                   seed: int) -> list[StageInit | None]:
+        """How each worker makes its stage's tensors, where ``init`` is given or the model is on the meta
+        device (checked against the source before any stage is sent)."""
+        if self._captured is None:
+            keys: list[dict[str, tuple[str, ...]]] = [{key: (key,) for key in stage.state_dict()} for stage in stages]
+            return plan_init(init, stages, keys, original, seed)
+        keys = [{f"{j}.graph.{name}": model_keys for name, model_keys in names.items()}
+                for j, names in enumerate(self._captured.state_keys)]
+        return plan_init(init, stages, keys, original, seed, also_expected=list(self._captured.unused))
 
     @staticmethod
     def _capture(module: nn.Module, sample: Any, split_points: Sequence[str] | None, balance: Any,

@@ -91,6 +91,12 @@ def balance_for_pipe(mode: str, module: nn.Sequential, sample: TensorOrTensors |
     else:
         raise ValueError(f"balance={mode!r} needs the number of stages: pass devices=[...] or workers=[...], "
                          "one per stage")
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        if mode == "time":
+            raise ValueError("balance='time' times each layer's forward and backward, which needs real weights, and "
+                             "this model is on the meta device: use balance='size' (measured on the meta device) or "
+                             "give balance as layer counts")
+        device = torch.device("meta")  # sizes of a model that has no memory: measured there
     if mode == "time":
         return balance_by_time(partitions, module, scatter(sample, chunks)[0], device=device, spread=spread)
     return balance_by_size(partitions, module, sample, chunks=chunks, device=device, spread=spread)

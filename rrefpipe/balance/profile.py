@@ -143,7 +143,10 @@ def layer_times(module: nn.Sequential, sample: TensorOrTensors, *, timeout: floa
 
 
 def storage_key(t: Tensor) -> tuple[str, int]:
-    """Identifies the memory behind a tensor (views of one storage share it)."""
+    """Identifies the memory behind a tensor (views of one storage share it). Meta tensors have no address:
+    their storage object stands for it (the caller keeps the tensors alive while it compares keys)."""
+    if t.is_meta:
+        return "meta", t.untyped_storage()._cdata
     try:
         return str(t.device), t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without a plain storage (sparse, nested)

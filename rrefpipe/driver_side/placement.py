@@ -16,6 +16,7 @@ from .. import _rpc
 from ..partition import module_device
 from ..schedule import is_v_shaped, stage_layout
 from ..seeding import stage_seed
+from ..stage_side.materialize import StageInit
 from ..stage_side.server import StageSpec
 
 __all__: list[str] = []
@@ -65,15 +66,18 @@ def check_local_devices(devices: Sequence[torch.device]) -> None:
 
 
 def stage_spec(j: int, module: nn.Sequential | None, factory: StageFactory | None,
-               devices: Sequence[torch.device], seed: int) -> StageSpec:
+               devices: Sequence[torch.device], seed: int, init: StageInit | None = None) -> StageSpec:
     """What builds stage ``j`` on its worker: its layers (a copy on the CPU where they are elsewhere, so
-    that they pickle without CUDA tensors) or the factory that makes them there."""
-    if module is not None:
+    that they pickle without CUDA tensors), the factory that makes them there, or (``init``) a skeleton
+    on the meta device and where its tensors come from."""
+    if init is not None:
+        module = None
+    elif module is not None:
         device = module_device(module, "stage")
         if device is not None and device.type != "cpu":
             module = copy.deepcopy(module).cpu()
     return StageSpec(index=j, num_stages=len(devices), module=module, factory=factory, device=str(devices[j]),
-                     next_worker=None, stage_devices=[str(d) for d in devices], seed=stage_seed(seed, j))
+                     next_worker=None, stage_devices=[str(d) for d in devices], seed=stage_seed(seed, j), init=init)
 
 
 def stage_workers(n: int, workers: Sequence[str] | None, devices: Sequence[torch.device], held: list[Any],

@@ -35,6 +35,7 @@ from ..errors import Failure
 from ..microbatch import TensorOrTensors
 from ..skip.layout import SkipRoutes
 from ..skip.tracker import SkipKey
+from .materialize import StageInit, materialize
 from .stage import Stage, StageInfo, StageOutput, StepMeta
 from .transfer import StageStream, to_device, to_host
 
@@ -63,6 +64,7 @@ class StageSpec:
     seed: int  # the worker's random seed from the stage's creation on (``rrefpipe.seeding``)
     layer_offset: int = 0  # index of this stage's first layer in the whole model (renumbers factory layers)
     deferred_chunks: int | None = None  # chunks: swap the factory's BatchNorms for DeferredBatchNorm
+    init: StageInit | None = None  # a skeleton on the meta device and where its tensors come from
 
 
 def _built(spec: StageSpec) -> nn.Sequential:
@@ -129,7 +131,10 @@ class StageServer:
         _check_device(torch.device(spec.device))
         with checkpoint.random_turns:  # another pipe's stage may be recomputing on this worker
             torch.manual_seed(spec.seed)  # before the factory: its initial weights repeat too
-            module = spec.module if spec.module is not None else _built(spec)
+            if spec.init is not None:
+                module = materialize(spec.init, torch.device(spec.device), f"stage {spec.index}")
+            else:
+                module = spec.module if spec.module is not None else _built(spec)
         self.pipe_id = pipe_id
         self.spec = spec
         self.is_last = spec.index == spec.num_stages - 1
