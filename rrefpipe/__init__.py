@@ -9,9 +9,10 @@ from .pipe import Pipe
 from .schedule import PipeMareOptions
 from .stage_side.stage import StageInfo
 from .trace import Event, format_events
+from .sharded import load_model, save_model
 from .weights import meta_parameters
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
            "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
-           "CaptureError", "PipeMareOptions", "meta_parameters"]
+           "CaptureError", "PipeMareOptions", "meta_parameters", "save_model", "load_model"]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from . import _rpc, calling, microbatch
 from .driver_side import clip, pipe_optimizer, placement, streaming
+from .driver_side import sharded as pipe_sharded
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
 from .batchnorm import defer_batch_norms, plain_batch_norms
@@ -777,6 +778,41 @@ class Pipe(nn.Module):
             unexpected_keys.extend(prefix + key for key in unexpected)
             if error:
                 error_msgs.append(f"stage {info.index} on worker {info.worker!r}: {error}")
+
+    def save(self, path: str | Path, *, optimizer: Any = None, lr_scheduler: Any = None,
+             step: int | None = None) -> None:
+        """Write a sharded checkpoint: every stage worker writes its stages' tensors (and their optimizer
+        state) in parallel, in ``torch.distributed.checkpoint`` (DCP) format, under the model's
+        ``state_dict()`` keys; the driver adds the metadata, the LR scheduler's state and ``step``. The
+        driver never holds the model: use this rather than ``torch.save(pipe.state_dict())`` for models
+        that do not fit one process.
+
+        The checkpoint loads into a pipe of any balance, split, schedule or number of workers
+        (:meth:`load`), into the plain model in one process (:func:`rrefpipe.load_model`, or DCP's
+        ``dcp.load({"model": model.state_dict(), ...})``), and as ``Pipe(..., init=path)``. The format is
+        in :mod:`rrefpipe.sharded`. With replicas, replica 0 writes; every replica's ``save`` returns once
+        the checkpoint is whole.
+
+        Args:
+            path: a directory (created; an earlier checkpoint there is replaced).
+            optimizer: ``pipe.optimizer(...)``, or a ``DistributedOptimizer`` over ``pipe.parameter_rrefs()``
+                built with an :mod:`rrefpipe.optim` class; its state is saved per parameter.
+            lr_scheduler: a :class:`~rrefpipe.optim.RemoteLRScheduler` (its first stage's state is saved).
+            step: an int saved with it, which :meth:`load` returns.
+        """
+        pipe_sharded.save(self, path, optimizer, lr_scheduler, step)
+
+    def load(self, path: str | Path, *, optimizer: Any = None, lr_scheduler: Any = None) -> int | None:
+        """Load a checkpoint of :meth:`save` (or :func:`rrefpipe.save_model`, or DCP's ``dcp.save`` of
+        ``{"model": model.state_dict(), "optim": ...}``) into this pipe; each worker reads only its stages'
+        tensors. Returns the step saved with it (None if none was).
+
+        Raises:
+            ValueError: the checkpoint does not fit this pipe: missing or unexpected keys, a shape or dtype
+                that differs (named as ``load_state_dict`` names them), no optimizer state for a parameter or
+                state of another optimizer class, no scheduler state; checked before anything is loaded.
+        """
+        return pipe_sharded.load(self, path, optimizer, lr_scheduler)
 
     # -- life cycle ----------------------------------------------------------------------------------
     def close(self) -> None:

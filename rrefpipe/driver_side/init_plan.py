@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import cloudpickle
-from torch import Tensor, nn
+from torch import nn
 
 from ..stage_side.materialize import StageInit, meta_tensors
 from ..weights import InitSpec, Reset, TensorMeta, WeightSource, open_source, reset_owners
 
-__all__ = ["plan_init"]
+__all__ = ["plan_init", "resolve"]
 
 StageKeys = Mapping[str, tuple[str, ...]]  # a stage's state-dict key -> the model's keys for that tensor
 
@@ -39,7 +39,13 @@ def plan_init(init: InitSpec, stages: Sequence[nn.Module], keys: Sequence[StageK
         source: WeightSource = Reset(reset_owners(model, canonical), seed)
     else:
         source = open_source(init)
-    stored = _resolve(source, stages, wanted, _base_prefix(model), also_expected)
+    likes: dict[str, TensorMeta] = {}
+    for stage, stage_wanted in zip(stages, wanted):
+        state = stage.state_dict(keep_vars=True)
+        for name, model_keys in stage_wanted.items():
+            for key in model_keys:
+                likes.setdefault(key, TensorMeta(tuple(state[name].shape), state[name].dtype))
+    stored = resolve(source, wanted, likes, _base_prefix(model), also_expected)
     plans: list[StageInit | None] = []
     for stage, stage_wanted in zip(stages, wanted):
         names = {name: _first(name_keys, stored) for name, name_keys in stage_wanted.items()}
@@ -56,17 +62,12 @@ def _base_prefix(model: nn.Module) -> str:
     return prefix if isinstance(prefix, str) else ""
 
 
-def _resolve(source: WeightSource, stages: Sequence[nn.Module], wanted: Sequence[StageKeys], base: str,
-             also_expected: Sequence[str]) -> dict[str, tuple[str, str]]:
+def resolve(source: WeightSource, wanted: Sequence[StageKeys], shapes: Mapping[str, TensorMeta], base: str = "",
+            also_expected: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
     """Each wanted model key -> (model key, stored key), checked against the source's catalog when it has
-    one: missing and unexpected keys, then shapes and dtypes, named as ``load_state_dict`` would."""
+    one: missing and unexpected keys, then shapes and dtypes (``shapes``: the model's, by model key), named
+    as ``load_state_dict`` would. ``base``: a prefix the source may have left out (Hugging Face's)."""
     catalog = source.catalog()
-    shapes: dict[str, Tensor] = {}
-    for stage, stage_wanted in zip(stages, wanted):
-        state = stage.state_dict(keep_vars=True)
-        for name, model_keys in stage_wanted.items():
-            for key in model_keys:
-                shapes.setdefault(key, state[name])
     if catalog is None:  # read on the worker, which checks what it got
         return {key: (key, key) for key in shapes}
     stored: dict[str, tuple[str, str]] = {}
@@ -100,7 +101,7 @@ def _without(key: str, base: str) -> str | None:
     return key[len(base) + 1:] if base and key.startswith(base + ".") else None
 
 
-def _misfit(key: str, stored: TensorMeta, like: Tensor) -> list[str]:
+def _misfit(key: str, stored: TensorMeta, like: TensorMeta) -> list[str]:
     if tuple(stored.shape) != tuple(like.shape):
         return [f"size mismatch for {key}: copying a param with shape {list(stored.shape)} from checkpoint, the shape "
                 f"in current model is {list(like.shape)}."]

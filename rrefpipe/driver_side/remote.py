@@ -213,26 +213,36 @@ class RemoteDriver:
                 for i in self.infos] + [f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, schedule="
                                         f"{self.schedule!r}, stages_per_worker={self.stages_per_worker}"]
 
-    def _call_per_worker(self, pipe_id: str, workers: Sequence[str], fn: Any, *args: Any) -> None:
-        """``fn(pipe_id, [its stages], *args)`` on each worker of a pipe (``workers``: per stage), all at
-        once: a collective between replicas runs once per worker, whatever its stages; a failure names
-        the worker's first stage."""
+    def _call_per_worker(self, pipe_id: str, workers: Sequence[str], fn: Any, *args: Any,
+                         per_worker: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+        """``fn(pipe_id, [its stages], *args, *per_worker[worker])`` on each worker of a pipe (``workers``:
+        per stage), all at once: a collective between replicas runs once per worker, whatever its stages;
+        a failure names the worker's first stage. Returns each worker's result."""
         by_worker: dict[str, list[int]] = {}
         for j, worker in enumerate(workers):
             by_worker.setdefault(worker, []).append(j)
         sent = {}
         for worker, indices in by_worker.items():
             try:
-                sent[worker] = rpc.rpc_async(worker, control.reporting, args=(fn, pipe_id, indices, *args),
+                more = per_worker[worker] if per_worker is not None else ()
+                sent[worker] = rpc.rpc_async(worker, control.reporting, args=(fn, pipe_id, indices, *args, *more),
                                              timeout=self.rpc_timeout)
             except Exception as exc:
                 raise self._control_failure(indices[0], fn, exc) from exc
+        results = {}
         for worker, call in sent.items():
             try:
                 result = _rpc.wait(call)
             except Exception as exc:
                 raise self._control_failure(by_worker[worker][0], fn, exc) from exc
-            _raised_if_failed(by_worker[worker][0], result)
+            results[worker] = _raised_if_failed(by_worker[worker][0], result)
+        return results
+
+    def per_worker(self, fn: Any, *args: Any, per_worker: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+        """``fn(pipe_id, [its stages], *args, ...)`` once on each of this pipe's workers (see
+        :meth:`_call_per_worker`)."""
+        self._check_open()
+        return self._call_per_worker(self.pipe_id, self.workers, fn, *args, per_worker=per_worker)
 
     # -- control calls ---------------------------------------------------------------------------
     def _call(self, index: int, fn: Any, *args: Any, reported: bool = True) -> Any:
@@ -317,6 +327,9 @@ class RemoteDriver:
 
     def unscale_gradients(self, context_id: int, inv_scale: float) -> list[bool]:
         return self._call_all(control.unscale_gradients, context_id, inv_scale)
+
+    def state_shapes(self) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        return self._call_all(control.state_shapes)
 
     def state_dict(self) -> dict[str, Tensor]:
         state: dict[str, Tensor] = {}

@@ -114,6 +114,11 @@ def state_dict(pipe_id: str, index: int) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in server.stage.module.state_dict().items()}
 
 
+def state_shapes(pipe_id: str, index: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each tensor of the stage's state dict: what a checkpoint must match."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in _server(pipe_id, index).stage.module.state_dict().items()}
+
+
 def load_state_dict(pipe_id: str, index: int, state: dict[str, Tensor],
                     metadata: dict[str, Any]) -> tuple[list[str], list[str], str]:
     """Load what matches, as ``nn.Module.load_state_dict`` does (``metadata``: the layers' versions, as a
