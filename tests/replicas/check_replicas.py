@@ -6,7 +6,8 @@ Modes:
 - ``train``: train_step under GPipe and 1F1B, checkpoint 'never' and 'always', momentum SGD and Adam;
   pipe(x) + pipe.backward; one replica's last share smaller than the others'; clip_grad_norm_;
   GradScaler with an overflow in one replica only; deferred BatchNorm (every replica keeps replica 0's
-  statistics, as DistributedDataParallel does); state_dict and resuming from it; accumulating k train_steps
+  statistics, as DistributedDataParallel does); state_dict and resuming from it; pipe.save by replica 0
+  and pipe.load by every replica into another balance; accumulating k train_steps
   in one context under ``Pipe.no_sync()`` (equal and unequal shares, a captured model's tied parameters):
   one averaging per context, counted in c10d's all-reduces on the stage workers; pipe.backward under
   no_sync() refused, k forwards summed into one pipe.backward averaged once.
@@ -20,11 +21,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -371,7 +376,42 @@ def train(stage_workers: workers.StageWorkers) -> None:
         torch.testing.assert_close(again.state_dict()["1.running_mean"], state["1.running_mean"])
     print(f"OK replica {r}: deferred BatchNorm, resume", flush=True)
 
+    sharded_checkpoint(stage_workers)
     no_sync(stage_workers)
+
+
+def sharded_checkpoint(stage_workers: workers.StageWorkers) -> None:
+    """pipe.save with replicas: replica 0's workers write (with the optimizer's state), every replica loads
+    into a pipe of another balance and goes on exactly as the uninterrupted plain run on the whole batch."""
+    r, n = stage_workers.replica, stage_workers.replicas
+    path = Path(tempfile.gettempdir()) / f"rrefpipe-replicas-ckpt-{os.getppid()}"  # torchrun's agent: one per job
+    steps = batches(4, [4] * n, seed=7)
+    plain = mlp(seed=3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.02)
+    for shares in steps:
+        plain_step(plain, plain_opt, shares)
+    with Pipe(mlp(seed=3), chunks=2, balance=[3, 2], workers=stage_workers, schedule="1F1B") as pipe:
+        opt = pipe.optimizer(torch.optim.AdamW, lr=0.02)
+        for shares in steps[:2]:
+            with dist_autograd.context() as ctx:
+                pipe.train_step(ctx, *shares[r], F.cross_entropy)
+                opt.step(ctx)
+        pipe.save(path, optimizer=opt, step=2)
+    written = json.loads((path / "rrefpipe.json").read_text())["workers"]
+    assert sorted(written.values()) == sorted(stage_workers) or r != 0, (written, list(stage_workers))  # its own
+    assert r == 0 or not set(written.values()) & set(stage_workers), written  # replica 0 wrote
+    with Pipe(mlp(seed=9), chunks=2, balance=[2, 3], workers=stage_workers, schedule="GPipe") as pipe:
+        opt = pipe.optimizer(torch.optim.AdamW, lr=0.02)
+        assert pipe.load(path, optimizer=opt) == 2
+        for shares in steps[2:]:
+            with dist_autograd.context() as ctx:
+                pipe.train_step(ctx, *shares[r], F.cross_entropy)
+                opt.step(ctx)
+        assert_same_parameters(pipe, plain, "saved by replica 0, loaded by every replica")
+    dist.barrier(group=replicas.current().group)  # type: ignore[union-attr]  # every replica has read it
+    if r == 0:
+        shutil.rmtree(path)
+    print(f"OK replica {r}: sharded checkpoint written by replica 0, loaded by all into another balance", flush=True)
 
 
 def mismatch(stage_workers: workers.StageWorkers) -> None:
