@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["save_model", "load_model", "optimizer_entries", "load_optimizer", "write_part", "merge_parts",
            "read_metadata", "read_entries", "templates", "METADATA"]
@@ -109,7 +110,10 @@ def write_part(directory: str | os.PathLike[str], entries: Mapping[str, Any]) ->
     import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... a single process": as meant
-        return dcp.save(dict(entries), storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+        try:
+            return dcp.save(dict(entries), storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+        except CheckpointException as exc:  # (a BaseException: say what failed as an ordinary error)
+            raise OSError(f"cannot write the checkpoint part {os.fspath(directory)!r}: {exc}") from None
 
 
 def merge_parts(path: str | os.PathLike[str], parts: Sequence[tuple[str, Any]]) -> None:
@@ -171,7 +175,7 @@ def read_entries(path: str | os.PathLike[str], wanted: dict[str, Any]) -> dict[s
             warnings.simplefilter("ignore")
             try:
                 dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # (DCP's is a BaseException)
                 raise ValueError(f"cannot read the checkpoint {os.fspath(path)!r}: {type(exc).__name__}: "
                                  f"{exc}") from None
     return wanted
@@ -200,14 +204,14 @@ def load_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
     """Load a checkpoint of ``pipe.save`` (or :func:`save_model`, or ``dcp.save`` of
     ``{"model": model.state_dict(), ...}``) into ``model`` in this process; returns the step saved with it.
     ``strict``: as ``load_state_dict``'s (missing and unexpected keys raise)."""
+    from .weights import DCPCheckpoint, TensorMeta, resolve
+
     metadata = read_metadata(path)
     state = model.state_dict()
     stored = {key[len("model."):] for key in under(metadata, "model.")}
-    missing = [k for k in state if k not in stored]
-    unexpected = sorted(stored - set(state))
-    if strict and (missing or unexpected):
-        raise ValueError(f"Error(s) in loading {os.fspath(path)!r} into {type(model).__name__}: Missing key(s) "
-                         f"{missing}, unexpected key(s) {unexpected}")
+    if strict:  # named as load_state_dict names them, before anything is read
+        resolve(DCPCheckpoint(Path(path)), [{k: (k,) for k in state}],
+                {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()})
     wanted = templates(metadata, (f"model.{k}" for k in state if k in stored))
     keys: list[str] = []
     if optimizer is not None:

@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["meta_parameters", "TensorMeta", "WeightSource", "SafetensorsFiles", "TorchFile", "DCPCheckpoint", "InMemory", "Initializer",
-           "Reset", "open_source", "InitSpec"]
+           "Reset", "open_source", "InitSpec", "resolve"]
 
+StageKeys = Mapping[str, tuple[str, ...]]  # a stage's state-dict key -> the model's keys for that tensor
 InitSpec = str | os.PathLike[str] | Mapping[str, Tensor] | Callable[[dict[str, Tensor]], Mapping[str, Tensor]] | None
 
 
@@ -234,6 +235,7 @@ class DCPCheckpoint(WeightSource):
 
     def read(self, keys: Mapping[str, str], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         prefixed = any(k.startswith("model.") for k in self.metadata().state_dict_metadata)
         wanted = {("model." if prefixed else "") + stored: torch.empty(like[model_key].shape,
                                                                        dtype=like[model_key].dtype)
@@ -242,7 +244,7 @@ class DCPCheckpoint(WeightSource):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "torch.distributed is disabled...": one process, as meant
                 dcp.load(wanted, checkpoint_id=str(self.path), no_dist=True)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # (DCP's is a BaseException)
             raise _error(self, exc) from None
         return {model_key: wanted[("model." if prefixed else "") + stored] for model_key, stored in keys.items()}
 
@@ -376,3 +378,52 @@ def _torch_indexed(index: Path) -> TorchFile:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot read the index {index}: {type(exc).__name__}: {exc}") from None
     return TorchFile({key: index.parent / name for key, name in weight_map.items()}, index)
+
+
+def resolve(source: WeightSource, wanted: Sequence[StageKeys], shapes: Mapping[str, TensorMeta], base: str = "",
+            also_expected: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
+    """Each wanted model key -> (model key, stored key), checked against the source's catalog when it has
+    one: missing and unexpected keys, then shapes and dtypes (``shapes``: the model's, by model key), named
+    as ``load_state_dict`` would. ``base``: a prefix the source may have left out (Hugging Face's)."""
+    catalog = source.catalog()
+    if catalog is None:  # read on the worker, which checks what it got
+        return {key: (key, key) for key in shapes}
+    stored: dict[str, tuple[str, str]] = {}
+    missing: list[str] = []
+    for stage_wanted in wanted:
+        for model_keys in stage_wanted.values():
+            found = [(k, s) for k in model_keys for s in (k, _without(k, base)) if s is not None and s in catalog]
+            if found:
+                for k in model_keys:
+                    stored.setdefault(k, found[0])
+            else:
+                missing.extend(k for k in model_keys[:1] if k not in missing)
+    used = {s for _, s in stored.values()}
+    expected = set(also_expected) | {_without(k, base) for k in also_expected} | set(shapes)
+    unexpected = [k for k in catalog if k not in used and k not in expected]
+    errors = []
+    if missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    for key, (_, s) in stored.items():
+        errors.extend(_misfit(key, catalog[s], shapes[key]))
+    if errors:
+        raise ValueError(f"Error(s) in loading the stages from {source.describe()}:\n\t" + "\n\t".join(errors[:20])
+                         + ("\n\t..." if len(errors) > 20 else "") + "\nNothing was loaded; check that the checkpoint "
+                         "is this model's (same architecture, config and dtype)")
+    return stored
+
+
+def _without(key: str, base: str) -> str | None:
+    return key[len(base) + 1:] if base and key.startswith(base + ".") else None
+
+
+def _misfit(key: str, stored: TensorMeta, like: TensorMeta) -> list[str]:
+    if tuple(stored.shape) != tuple(like.shape):
+        return [f"size mismatch for {key}: copying a param with shape {list(stored.shape)} from checkpoint, the shape "
+                f"in current model is {list(like.shape)}."]
+    if stored.dtype != like.dtype:
+        return [f"dtype mismatch for {key}: the checkpoint holds {stored.dtype}, the model {like.dtype}; cast the "
+                "model (model.to(dtype)) or convert the checkpoint"]
+    return []

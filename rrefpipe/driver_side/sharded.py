@@ -20,8 +20,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from .. import replicas, sharded
 from ..stage_side import sharded as stage_sharded
-from ..weights import DCPCheckpoint, TensorMeta
-from .init_plan import resolve
+from ..weights import DCPCheckpoint, TensorMeta, resolve
 from .pipe_optimizer import PipeOptimizer
 from .remote import RemoteDriver
 
@@ -81,9 +80,14 @@ def load(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
                 shapes.setdefault(model_key, TensorMeta(*stage[key]))
     unused = list(pipe._captured.unused) if pipe._captured is not None else []
     stored = resolve(DCPCheckpoint(Path(path)), wanted, shapes, also_expected=unused)
-    if isinstance(optimizer, PipeOptimizer):
-        _check_optimizer(metadata, optimizer)
     workers = list(dict.fromkeys(driver.workers))
+    if optimizer is not None:
+        refs = {w: (names, _optimizer_ref(driver, optimizer, w)) for w in workers}
+        settings = driver.per_worker(stage_sharded.optimizer_settings, per_worker=refs)
+        _check_optimizer(metadata, {name: keys for part in settings.values() for name, keys in part.items()})
+    if lr_scheduler is not None and not sharded.under(metadata, "lr_scheduler."):
+        raise ValueError(f"the checkpoint {os.fspath(path)!r} holds no LR scheduler state: it was saved without "
+                         "lr_scheduler=")
     per_worker = {}
     for w in workers:
         ours = {model_key for j, worker in enumerate(driver.workers) if worker == w
@@ -142,22 +146,18 @@ def _local_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
                     f"pipe.parameters(), got {type(optimizer).__name__}")
 
 
-def _check_optimizer(metadata: Any, optimizer: PipeOptimizer) -> None:
-    """Every parameter of ``optimizer`` has its settings in the checkpoint, under the same names: checked
-    before any worker loads (a checkpoint saved without it, or by another class, loads nothing)."""
+def _check_optimizer(metadata: Any, ours: dict[str, list[str]]) -> None:
+    """Every parameter of the pipe's optimizer (``ours``: its setting names, by parameter) has its settings
+    in the checkpoint, under the same names: checked before any worker loads (a checkpoint saved without
+    an optimizer, or by another class, loads nothing)."""
     saved: dict[str, set[str]] = {}
     for key in sharded.under(metadata, "optim.param_groups."):
-        rest = key[len("optim.param_groups."):]
-        name, _, setting = rest.rpartition(".")
+        name, _, setting = key[len("optim.param_groups."):].rpartition(".")
         saved.setdefault(name, set()).add(setting)
-    for group in optimizer.param_groups:
-        ours = {k for k in group if k not in ("params", "names")}
-        for name in group["names"]:
-            if name not in saved:
-                raise ValueError(f"the checkpoint has no optimizer state for {name!r}: it was saved without "
-                                 "optimizer=, or by another model")
-            if saved[name] != ours:
-                raise ValueError(f"the optimizer state of {name!r} was saved with the settings {sorted(saved[name])}, "
-                                 f"this optimizer has {sorted(ours)}: load into an optimizer of the class that saved "
-                                 "it")
-
+    for name, settings in ours.items():
+        if name not in saved:
+            raise ValueError(f"the checkpoint has no optimizer state for {name!r}: it was saved without optimizer=, "
+                             "or by another model")
+        if saved[name] != set(settings):
+            raise ValueError(f"the optimizer state of {name!r} was saved with the settings {sorted(saved[name])}, this "
+                             f"optimizer has {sorted(settings)}: load into an optimizer of the class that saved it")

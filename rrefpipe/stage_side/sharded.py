@@ -82,6 +82,15 @@ def save_part(pipe_id: str, indices: list[int], directory: str, names: Names, op
         return sharded.write_part(directory, entries)
 
 
+def optimizer_settings(pipe_id: str, indices: list[int], names: Names, optimizer: OptimizerRef) -> dict[str, list[str]]:
+    """Each parameter of this worker's optimizer, by the model's name, with its group's setting names: what
+    the driver checks a checkpoint against before any worker loads."""
+    param_names = _param_names(pipe_id, indices, names)
+    with _optimizers(pipe_id, indices, optimizer) as optimizers:
+        return {param_names[id(p)]: sorted(k for k in group if k != "params")
+                for opt in optimizers for group in opt.param_groups for p in group["params"]}
+
+
 def load_part(pipe_id: str, indices: list[int], path: str, names: Names, stored: Mapping[str, str],
               optimizer: OptimizerRef) -> None:
     """Read this worker's stages (``stored``: model key -> checkpoint key) and their optimizer state from
