@@ -130,6 +130,16 @@ class Pipe(nn.Module):
         vertical_sync: ``schedule='PipeDream'`` only: every stage runs batch t on the weight version
             stage 0 uses (max(t - ceil((n - 1) / chunks), 0) updates), so that a batch sees one version
             throughout the pipeline.
+        init: where each stage's weights come from, read on its worker (each worker reads only its
+            stages' tensors, by the model's ``state_dict()`` keys): a safetensors file, a Hugging Face
+            directory (``model.safetensors.index.json`` shards), a ``torch.save`` file, a DCP checkpoint
+            (:meth:`save`'s), a mapping of tensors, or a callable run on each worker that is given
+            ``{key: meta tensor}`` and returns those keys' values. With a model whose parameters are on the
+            meta device (``with torch.device("meta"):``, or :func:`rrefpipe.meta_parameters`) the driver never
+            holds the weights; ``None`` there runs each module's ``reset_parameters()`` on the worker (seeded
+            from the driver's seed and the module's name). Checked before any worker starts: a missing,
+            unexpected, misshapen or other-dtype key raises ``ValueError`` naming it (see the guide's "Large
+            models").
 
     Raises:
         CaptureError: ``torch.export`` cannot capture the module (names the submodule, torch's reason and
@@ -141,7 +151,9 @@ class Pipe(nn.Module):
             ``schedule``, a ``stages_per_worker`` that does not divide the stages (or above 1 under a
             continuous schedule), or ``chunks`` that the schedule cannot run; ``vertical_sync`` without
             ``'PipeDream'``; ``'PipeMare'`` with checkpointing; an
-            empty ``module``; a layer that appears twice; a stage whose parameters span devices.
+            empty ``module``; a layer that appears twice; a stage whose parameters span devices; an
+            ``init`` that does not fit the model, a meta tensor nothing initialises, ``init``/meta in an
+            RPC world of one.
         StageError: a stage could not be built on its worker (names the stage and worker).
     """
 
@@ -778,6 +790,12 @@ class Pipe(nn.Module):
             unexpected_keys.extend(prefix + key for key in unexpected)
             if error:
                 error_msgs.append(f"stage {info.index} on worker {info.worker!r}: {error}")
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's state under its own keys, as CPU copies gathered from every stage into this process
+        (``nn.Module.state_dict``'s arguments). Fine for models that fit one process; for larger ones use
+        :meth:`save`, where each worker writes its own stages and this process holds none of them."""
+        return super().state_dict(*args, **kwargs)
 
     def save(self, path: str | Path, *, optimizer: Any = None, lr_scheduler: Any = None,
              step: int | None = None) -> None:
