@@ -211,6 +211,7 @@ class Pipe(nn.Module):
             balance = uniform_balance(len(module), len(stage_devices))
         else:
             balance, stage_devices = balance_by_placement(module)
+            stage_devices = [torch.device("cpu") if d.type == "meta" else d for d in stage_devices]
             if workers is not None and len(workers) > 1 and stage_devices == [torch.device("cpu")]:
                 # A CPU model and several workers named (torchrun's stage workers): a stage on each, as
                 # ``Pipe(model, workers=stage_workers)`` reads. (A model on one GPU keeps the count
