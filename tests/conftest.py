@@ -3,13 +3,17 @@ command lines' --help texts (each run once per test process)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -118,6 +122,75 @@ def run_script(code: str, timeout: float = 90, check: bool = True) -> subprocess
     if check and proc.returncode != 0:
         pytest.fail(f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+class WarmPython:
+    """``python ARGV`` in a child forked from one warm interpreter that has imported torch and rrefpipe
+    (``tests/script_runner.py``): ~4 CPU-seconds less per script than a fresh interpreter. For scripts
+    that train (guide pages, the tutorial, benchmark smoke runs); a test of the interpreter's own start,
+    exit or signals wants :func:`run_script` or ``subprocess``."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "script_runner.py")], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self._pending = b""
+        self._outputs = tempfile.TemporaryDirectory(prefix="warm-python-")
+        self._runs = 0
+
+    def _reply(self, deadline: float) -> object | None:
+        """The runner's next line (JSON), or None at the deadline; fails if the runner has exited."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                pytest.fail(f"the script runner exited ({self.proc.wait()})")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: Sequence[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+        """``python ARGV`` in ``cwd``: its exit status and output, as ``subprocess.run`` gives them. At
+        ``timeout`` seconds the script and the stage workers it started are killed and the test fails."""
+        self._runs += 1
+        out = Path(self._outputs.name) / f"{self._runs}.out"
+        err = out.with_suffix(".err")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps([list(map(str, argv)), str(cwd), str(out), str(err)]) + "\n").encode())
+        deadline = time.monotonic() + timeout
+        pid = self._reply(deadline)
+        assert isinstance(pid, int), f"the script runner did not fork: {pid}"
+        status = self._reply(deadline)
+        if status is None:
+            os.killpg(pid, signal.SIGKILL)  # the script's process group: it and the workers it started
+            status = self._reply(time.monotonic() + 30)
+            pytest.fail(f"python {' '.join(map(str, argv))} ran past {timeout} s (killed: {status}):\n"
+                        f"{out.read_text()}\n{err.read_text()}")
+        assert isinstance(status, int), status
+        return subprocess.CompletedProcess([sys.executable, *argv], status, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._outputs.cleanup()
+
+
+@pytest.fixture(scope="session")
+def warm_python() -> Iterator[WarmPython]:
+    """One :class:`WarmPython` per test process, started when a test first asks for it."""
+    runner = WarmPython()
+    try:
+        yield runner
+    finally:
+        runner.close()
 
 
 @functools.lru_cache(maxsize=None)
