@@ -813,7 +813,8 @@ class Pipe(nn.Module):
         the checkpoint is whole.
 
         Args:
-            path: a directory (created; an earlier checkpoint there is replaced).
+            path: a directory. The checkpoint is written beside it and put in its place once whole: an
+                earlier checkpoint there is replaced then, and a save that fails leaves it as it was.
             optimizer: ``pipe.optimizer(...)``, or a ``DistributedOptimizer`` over ``pipe.parameter_rrefs()``
                 built with an :mod:`rrefpipe.optim` class; its state is saved per parameter.
             lr_scheduler: a :class:`~rrefpipe.optim.RemoteLRScheduler` (its first stage's state is saved).

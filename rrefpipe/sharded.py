@@ -21,11 +21,14 @@ that metadata and reads only its own tensors. (A checkpoint is unpickled when lo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
+import shutil
+import uuid
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +146,28 @@ def merge_parts(path: str | os.PathLike[str], parts: Sequence[tuple[str, Any]]) 
     temporary.replace(target)
 
 
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new directory beside ``path`` to write a checkpoint into; once the block ends without error it
+    becomes ``path`` (an earlier checkpoint there is removed only then), otherwise it is removed: a save
+    that fails half-way leaves the earlier checkpoint whole."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    fresh = target.with_name(f".{target.name}.writing-{tag}")
+    fresh.mkdir()
+    try:
+        yield fresh
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}.old-{tag}")
+    if target.exists():
+        target.rename(old)
+    fresh.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def read_metadata(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's DCP ``Metadata``; ``ValueError`` naming the path if there is none."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -195,8 +220,8 @@ def save_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
     if optimizer is not None:
         entries["optim"] = optimizer_entries(optimizer, _param_names(model))
     entries.update(_extras(lr_scheduler, step))
-    Path(path).mkdir(parents=True, exist_ok=True)
-    merge_parts(path, [("process", write_part(Path(path) / "process", entries))])
+    with replacing(path) as fresh:
+        merge_parts(fresh, [("process", write_part(fresh / "process", entries))])
 
 
 def load_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -219,9 +244,9 @@ def load_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
         keys = [k for k in under(metadata, "optim.") if _param_of(k[len("optim."):], names) is not None]
         wanted.update(templates(metadata, keys))
     read = read_entries(path, wanted)
-    model.load_state_dict({k[len("model."):]: v for k, v in read.items() if k.startswith("model.")}, strict=strict)
-    if optimizer is not None:
+    if optimizer is not None:  # first: what it refuses leaves the weights as they were
         load_optimizer(optimizer, _param_names(model), {k[len("optim."):]: read[k] for k in keys})
+    model.load_state_dict({k[len("model."):]: v for k, v in read.items() if k.startswith("model.")}, strict=strict)
     return load_extras(path, metadata, lr_scheduler)
 
 

@@ -39,13 +39,13 @@ def save(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
         return
     membership = replicas.current()
     if membership is None or membership.replica == 0:
-        _write(pipe, driver, Path(path), optimizer, lr_scheduler, step)
+        with sharded.replacing(path) as fresh:
+            _write(pipe, driver, fresh, optimizer, lr_scheduler, step)
     if membership is not None:  # no replica goes on (to load it, say) before it is whole
         dist.barrier(group=membership.group)
 
 
 def _write(pipe: Pipe, driver: RemoteDriver, path: Path, optimizer: Any, lr_scheduler: Any, step: int | None) -> None:
-    path.mkdir(parents=True, exist_ok=True)
     workers = list(dict.fromkeys(driver.workers))  # in stage order
     parts = {w: str(path / f"worker-{k}") for k, w in enumerate(workers)}
     per_worker = {w: (parts[w], _names(pipe), _optimizer_ref(driver, optimizer, w)) for w in workers}

@@ -6,6 +6,7 @@ CPU results are deterministic: resumed and uninterrupted runs are compared withi
 from __future__ import annotations
 
 import copy
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -263,6 +264,23 @@ def test_a_truncated_part_names_the_worker_and_loads_nothing(target: Pipe, tmp_p
         assert torch.isfinite(target(torch.randn(4, 10)).local_value()).all()
 
 
+def test_a_save_replaces_an_earlier_checkpoint_only_once_whole(cluster: Any, saved: Path, tmp_path: Path):
+    """A save over a 3-worker checkpoint from 2 workers leaves no third part; one that fails midway leaves
+    the earlier checkpoint whole and nothing beside it."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    with Pipe(mlp(1), chunks=2, balance=[3, 4], workers=cluster.names[:2]) as pipe:
+        pipe.save(path, step=5)
+        assert sorted(p.name for p in path.iterdir()) == [".metadata", "driver", "rrefpipe.json", "worker-0",
+                                                          "worker-1"]
+        with pytest.raises(TypeError, match="optimizer= takes"):
+            pipe.save(path, optimizer=object(), step=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    model = mlp(3)
+    assert load_model(path, model) == 5
+    assert_same(model.state_dict(), mlp(1), "the earlier checkpoint")
+
+
 def test_a_plain_model_refuses_what_does_not_fit(tmp_path: Path):
     save_model(tmp_path, mlp(0))
     with pytest.raises(ValueError, match=r'Missing key\(s\) in state_dict: "7.weight", "7.bias"'):
@@ -270,3 +288,9 @@ def test_a_plain_model_refuses_what_does_not_fit(tmp_path: Path):
     model = copy.deepcopy(mlp(1))
     with pytest.raises(ValueError, match="no checkpoint at"):
         load_model(tmp_path / "absent", model)
+    with pytest.raises(ValueError, match=r"size mismatch for 0\.weight"):
+        load_model(tmp_path, mlp(1, width=24))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="no optimizer state for '0.weight'"):
+        load_model(tmp_path, model, optimizer=sgd)
+    assert_same(model.state_dict(), mlp(1), "a refused load_model")  # the weights were left as they were
