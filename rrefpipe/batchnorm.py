@@ -135,7 +135,11 @@ class DeferredBatchNorm(_BatchNorm):
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked
             converted.train(module.training)
-            return converted.to(module.running_mean.device)  # type: ignore[union-attr]
+            device = module.running_mean.device  # type: ignore[union-attr]
+            if device.type != "meta":  # (a model on the meta device keeps its accumulators real: zeros)
+                for name in ("sum", "sum_squares", "counted"):
+                    setattr(converted, name, getattr(converted, name).to(device))
+            return converted
         for name, child in module.named_children():
             module.add_module(name, cls.convert_deferred_batch_norm(child, chunks))
         return module

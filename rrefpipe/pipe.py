@@ -260,8 +260,14 @@ class Pipe(nn.Module):
                    seed: int) -> list[StageInit | None]:
         """How each worker makes its stage's tensors, where ``init`` is given or the model is on the meta
         device (checked against the source before any stage is sent)."""
-        if self._captured is None:
-            keys: list[dict[str, tuple[str, ...]]] = [{key: (key,) for key in stage.state_dict()} for stage in stages]
+        if self._captured is None:  # the model's keys; a tensor tied within a stage has several
+            keys: list[dict[str, tuple[str, ...]]] = []
+            for stage in stages:
+                state = stage.state_dict(keep_vars=True)
+                aliases: dict[int, tuple[str, ...]] = {}
+                for key, tensor in state.items():
+                    aliases[id(tensor)] = (*aliases.get(id(tensor), ()), key)
+                keys.append({key: aliases[id(tensor)] for key, tensor in state.items()})
             return plan_init(init, stages, keys, original, seed)
         keys = [{f"{j}.graph.{name}": model_keys for name, model_keys in names.items()}
                 for j, names in enumerate(self._captured.state_keys)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -381,10 +382,12 @@ def _torch_indexed(index: Path) -> TorchFile:
 
 
 def resolve(source: WeightSource, wanted: Sequence[StageKeys], shapes: Mapping[str, TensorMeta], base: str = "",
-            also_expected: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
+            also_expected: Sequence[str] = (), ignored: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
     """Each wanted model key -> (model key, stored key), checked against the source's catalog when it has
     one: missing and unexpected keys, then shapes and dtypes (``shapes``: the model's, by model key), named
-    as ``load_state_dict`` would. ``base``: a prefix the source may have left out (Hugging Face's)."""
+    as ``load_state_dict`` would. ``base``: a prefix the source may have left out (Hugging Face's);
+    ``ignored``: patterns of stored keys that are not unexpected (Hugging Face's
+    ``_keys_to_ignore_on_load_unexpected``, such as old GPT-2 checkpoints' attention masks)."""
     catalog = source.catalog()
     if catalog is None:  # read on the worker, which checks what it got
         return {key: (key, key) for key in shapes}
@@ -400,7 +403,8 @@ def resolve(source: WeightSource, wanted: Sequence[StageKeys], shapes: Mapping[s
                 missing.extend(k for k in model_keys[:1] if k not in missing)
     used = {s for _, s in stored.values()}
     expected = set(also_expected) | {_without(k, base) for k in also_expected} | set(shapes)
-    unexpected = [k for k in catalog if k not in used and k not in expected]
+    patterns = [re.compile(p) for p in ignored]  # a Hugging Face model's keys to ignore, as from_pretrained does
+    unexpected = [k for k in catalog if k not in used and k not in expected and not any(p.search(k) for p in patterns)]
     errors = []
     if missing:
         errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")

@@ -44,7 +44,9 @@ def plan_init(init: InitSpec, stages: Sequence[nn.Module], keys: Sequence[StageK
         for name, model_keys in stage_wanted.items():
             for key in model_keys:
                 likes.setdefault(key, TensorMeta(tuple(state[name].shape), state[name].dtype))
-    stored = resolve(source, wanted, likes, _base_prefix(model), also_expected)
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    stored = resolve(source, wanted, likes, _base_prefix(model), also_expected,
+                     ignored=[p for p in ignored if isinstance(p, str)])
     plans: list[StageInit | None] = []
     for stage, stage_wanted in zip(stages, wanted):
         names = {name: _first(name_keys, stored) for name, name_keys in stage_wanted.items()}
