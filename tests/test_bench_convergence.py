@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import WarmPython
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -31,13 +32,12 @@ def finite(values: Any) -> bool:
 
 @pytest.mark.timeout(180)  # < 20 s on a quiet 2-core machine; the margin is for a busy one
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
-def test_quick_run_writes_finite_curves_for_every_rule(tmp_path: Path) -> None:
+def test_quick_run_writes_finite_curves_for_every_rule(tmp_path: Path, warm_python: WarmPython) -> None:
     out = tmp_path / "convergence.json"
     # the digits task only: the GPT's capture (torch.export) would double the run; the suite's any-model
     # tests capture that GPT already
-    run = subprocess.run([sys.executable, "bench_convergence.py", "--quick", "--tasks", "digits", "--out", str(out)],
-                         cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=170)
+    run = warm_python.run(["bench_convergence.py", "--quick", "--tasks", "digits", "--out", str(out)],
+                          cwd=BENCHMARKS, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] is True and result["wall_s"] > 0

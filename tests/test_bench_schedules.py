@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import WarmPython
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -22,11 +24,12 @@ from bench_schedules import (  # noqa: E402  (the benchmarks are scripts, not a 
     recompute_target, undisturbed)
 
 
-def quick_run(script: str, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """``benchmarks/<script> --quick`` in a subprocess: what it printed, and the JSON it wrote."""
+def quick_run(warm_python: WarmPython, script: str, tmp_path: Path, timeout: float, *args: str
+              ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``benchmarks/<script> --quick ARGS``, forked from the warm interpreter: what it printed, and the JSON
+    it wrote."""
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, script, "--quick", "--out", str(out)], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=timeout)
+    run = warm_python.run([script, "--quick", "--out", str(out), *args], cwd=BENCHMARKS, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["settings"]["quick"] is True
@@ -35,8 +38,8 @@ def quick_run(script: str, tmp_path: Path, timeout: float) -> tuple[subprocess.C
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
-def test_quick_run_writes_every_row(tmp_path: Path) -> None:
-    run, result = quick_run("bench_schedules.py", tmp_path, 230)
+def test_quick_run_writes_every_row(tmp_path: Path, warm_python: WarmPython) -> None:
+    run, result = quick_run(warm_python, "bench_schedules.py", tmp_path, 230)
     assert "targets (issue #41, #49)" in run.stdout and "Zero bubble (issue #49)" in run.stdout
 
     (speed,) = result["speed"]

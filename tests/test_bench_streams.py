@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import WarmPython
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -20,10 +21,9 @@ from bench_streams import INFER, MEMORY, RATIOS, TRAIN, gm_se, simulated  # noqa
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local stage workers and /proc")
-def test_quick_run_writes_every_row(tmp_path: Path) -> None:
+def test_quick_run_writes_every_row(tmp_path: Path, warm_python: WarmPython) -> None:
     out = tmp_path / "streams.json"
-    run = subprocess.run([sys.executable, "bench_streams.py", "--quick", "--out", str(out)], cwd=BENCHMARKS,
-                         capture_output=True, text=True, timeout=110)
+    run = warm_python.run(["bench_streams.py", "--quick", "--out", str(out)], cwd=BENCHMARKS, timeout=110)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "targets (issue 50)" in run.stdout and "Weight memory per stage" in run.stdout
     result = json.loads(out.read_text())
