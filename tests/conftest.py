@@ -152,14 +152,16 @@ class WarmPython:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, argv: Sequence[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-        """``python ARGV`` in ``cwd``: its exit status and output, as ``subprocess.run`` gives them. At
-        ``timeout`` seconds the script and the stage workers it started are killed and the test fails."""
+    def run(self, argv: Sequence[str], timeout: float, cwd: Path = ROOT, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        """``python ARGV`` (``ARGV`` a script and its arguments, or ``-m``, a module and its arguments) in
+        ``cwd``, with ``env`` added to the environment: its exit status and output, as ``subprocess.run`` gives
+        them. At ``timeout`` seconds the script and the stage workers it started are killed and the test fails."""
         self._runs += 1
         out = Path(self._outputs.name) / f"{self._runs}.out"
         err = out.with_suffix(".err")
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps([list(map(str, argv)), str(cwd), str(out), str(err)]) + "\n").encode())
+        self.proc.stdin.write((json.dumps([list(map(str, argv)), str(cwd), str(out), str(err), env or {}]) + "\n").encode())
         deadline = time.monotonic() + timeout
         pid = self._reply(deadline)
         assert isinstance(pid, int), f"the script runner did not fork: {pid}"
@@ -183,26 +185,40 @@ class WarmPython:
         self._outputs.cleanup()
 
 
-@pytest.fixture(scope="session")
-def warm_python() -> Iterator[WarmPython]:
-    """One :class:`WarmPython` per test process, started when a test first asks for it."""
-    runner = WarmPython()
-    try:
-        yield runner
-    finally:
-        runner.close()
+_warm: WarmPython | None = None
+
+
+def warm() -> WarmPython:
+    """This test process's :class:`WarmPython`, started at the first call (stopped at the session's end)."""
+    global _warm
+    if _warm is None:
+        _warm = WarmPython()
+    return _warm
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _warm
+    if _warm is not None:
+        _warm.close()
+        _warm = None
+
+
+@pytest.fixture
+def warm_python() -> WarmPython:
+    """This test process's :class:`WarmPython`."""
+    return warm()
 
 
 @functools.lru_cache(maxsize=None)
 def help_text(*argv: str) -> str:
     """The stdout of ``python ARGV --help`` (e.g. ``help_text("-m", "rrefpipe", "demo")``, or
     ``help_text("examples/demo.py")``), run once per test process: the CLI tests and the API-page tests
-    read the same help of the real entry points, and each run imports torch anew (~1.5 CPU-s).
+    read the same help of the real entry points, each forked from the warm interpreter (:func:`warm`),
+    where a fresh one imported torch anew (~4 CPU-s).
 
     At COLUMNS=100, the width the API pages paste; the width only rewraps usage and help text, which
     no reader of it depends on. Fails with the output when the command fails (and then is not cached)."""
-    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, COLUMNS="100"))
+    proc = warm().run([*argv, "--help"], timeout=120, env={"COLUMNS": "100"})  # (forked from a warm interpreter)
     if proc.returncode != 0:
         pytest.fail(f"python {' '.join(argv)} --help failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout

@@ -1,4 +1,5 @@
-"""Run Python scripts as ``python SCRIPT ARGS`` would, each in a child forked from this warm interpreter.
+"""Run Python scripts as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would, each in a child forked
+from this warm interpreter.
 
 Started once per test process (the ``warm_python`` fixture, ``tests/conftest.py``): a fresh interpreter
 for each guide page, tutorial or benchmark smoke run spent ~4 CPU-seconds importing torch and rrefpipe
@@ -7,9 +8,10 @@ own (``os.fork``): its own RPC state, ``__main__``, globals, stage workers and e
 interpreter's. Nothing here initialises RPC, starts a thread or a worker, so the children inherit none.
 Scripts about the interpreter itself (its start, its exit, its signals) still want a real one.
 
-Protocol, one line each way per script: the parent writes ``[ARGV, CWD, OUT, ERR]`` (JSON) on stdin; this
-process writes the child's pid as soon as it has forked, then its exit status (negative: the signal
-that ended it, as ``subprocess`` reports), both as JSON. The child's stdout and stderr go to OUT and ERR.
+Protocol, one line each way per script: the parent writes ``[ARGV, CWD, OUT, ERR, ENV]`` (JSON; ENV: variables
+to set) on stdin; this process writes the child's pid as soon as it has forked, then its exit status
+(negative: the signal that ended it, as ``subprocess`` reports), both as JSON. The child's stdout and
+stderr go to OUT and ERR.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import rrefpipe  # noqa: F401
 import workers  # noqa: F401
 
 
-def run_child(argv: list[str], cwd: str, out: str, err: str) -> int:
+def run_child(argv: list[str], cwd: str, out: str, err: str, env: dict[str, str]) -> int:
     """In the forked child: ``python ARGV``'s run and exit, in ``cwd``; returns the exit status."""
     os.setpgid(0, 0)  # its own group: the test kills it and its stage workers at once on a timeout
     for fd, path in ((1, out), (2, err)):
@@ -41,12 +43,18 @@ def run_child(argv: list[str], cwd: str, out: str, err: str) -> int:
     os.close(null)
     sys.stdin = open(0, closefd=False)
     os.chdir(cwd)
-    script = os.path.abspath(argv[0])
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)  # as ``python SCRIPT`` puts it first
+    os.environ.update(env)
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            sys.argv = list(argv[1:])  # run_module puts the module's file first, as ``-m`` does
+            sys.path[0] = cwd  # ``-m`` puts the current directory first
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(script)  # as ``python SCRIPT`` puts it first
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None:
             code = 0
@@ -76,13 +84,13 @@ def run_child(argv: list[str], cwd: str, out: str, err: str) -> int:
 
 def main() -> None:
     for line in sys.stdin:
-        argv, cwd, out, err = json.loads(line)
+        argv, cwd, out, err, env = json.loads(line)
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                code = run_child(argv, cwd, out, err)
+                code = run_child(argv, cwd, out, err, env)
             finally:
                 os._exit(code & 0xFF)
         print(json.dumps(pid), flush=True)

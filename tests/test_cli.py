@@ -14,13 +14,13 @@ import pytest
 from PIL import Image
 
 from rrefpipe.__main__ import CHECKPOINT_HELP, main, parser
-from tests.conftest import ROOT, help_text
+from tests.conftest import ROOT, help_text, warm
 from workers.__main__ import parser as workers_parser
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "rrefpipe", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    """``python -m rrefpipe ARGS``, forked from the warm interpreter."""
+    proc = warm().run(["-m", "rrefpipe", *args], timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"python -m rrefpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
