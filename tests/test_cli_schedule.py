@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,12 @@ import pytest
 from rrefpipe.__main__ import main, parser
 from rrefpipe.schedule import (Action, format_orders, peak_in_flight, simulate, stream_orders, worker_orders,
                                worker_peaks)
-from tests.conftest import ROOT
+from tests.conftest import ROOT, warm
 
 
 def _run(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rrefpipe", "timeline", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    """``python -m rrefpipe timeline ARGS``, forked from the warm interpreter."""
+    return warm().run(["-m", "rrefpipe", "timeline", *args], timeout=timeout)
 
 
 def _spans(path: Path) -> list[dict]:

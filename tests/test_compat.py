@@ -377,14 +377,8 @@ def test_world_of_one_runs_both_styles_and_says_it_runs_in_process():
 
 
 @pytest.mark.timeout(150)
-def test_port_from_torch_pipe_example_trains_like_the_plain_model():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "examples/port_from_torch_pipe.py", "--steps", "3"], cwd=root,
-                          capture_output=True, text=True, timeout=140)
+def test_port_from_torch_pipe_example_trains_like_the_plain_model(warm_python):
+    proc = warm_python.run(["examples/port_from_torch_pipe.py", "--steps", "3"], timeout=140)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "ported: 3 steps on 2 stage workers, weights equal to the plain model's" in proc.stdout
 

@@ -24,10 +24,10 @@ def test_checkpoint_resume_continues_as_an_uninterrupted_run():
 
 
 @pytest.mark.timeout(240)
-def test_gpt_text_trains_the_captured_gpt_as_plain_pytorch_does():
-    """The example asserts the match itself (exit status 1 otherwise); a short run keeps the suite fast."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "gpt_text.py"), "--steps", "6", "--generate", "8"],
-                          capture_output=True, text=True, timeout=220, cwd=ROOT)
+def test_gpt_text_trains_the_captured_gpt_as_plain_pytorch_does(warm_python):
+    """The example asserts the match itself (exit status 1 otherwise); a short run keeps the suite fast
+    (forked from the warm interpreter)."""
+    proc = warm_python.run([str(EXAMPLES / "gpt_text.py"), "--steps", "6", "--generate", "8"], timeout=220)
     assert proc.returncode == 0, f"gpt_text.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert "6 steps' losses and parameters match plain PyTorch" in proc.stdout, proc.stdout
     stages = re.findall(r"^  stage \d: .*CapturedStage", proc.stdout, re.MULTILINE)
