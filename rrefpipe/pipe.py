@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from . import _rpc, calling, microbatch
 from .driver_side import clip, pipe_optimizer, placement, streaming
+from .driver_side import recovery
 from .driver_side import sharded as pipe_sharded
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
@@ -140,6 +141,14 @@ class Pipe(nn.Module):
             from the driver's seed and the module's name). Checked before any worker starts: a missing,
             unexpected, misshapen or other-dtype key raises ``ValueError`` naming it (see the guide's "Large
             models").
+        spares: idle workers kept to take the stages of a stage worker that dies: a count of local workers
+            started with the stages, or the names of RPC workers (with ``workers=``). During
+            :meth:`train_stream` (synchronous schedules, with ``pipe.optimizer``) a lost worker's stages move
+            to a spare, every stage goes back to the last snapshot and the batches since are run again, so
+            the run ends with the weights it would have had (:attr:`recoveries` lists what happened).
+        snapshot_every: with spares, every stage's state (weights, optimizer and scheduler state, random
+            state) is copied to a spare every this many updates of :meth:`train_stream`; a recovery replays
+            at most this many batches.
 
     Raises:
         CaptureError: ``torch.export`` cannot capture the module (names the submodule, torch's reason and
@@ -177,8 +186,11 @@ class Pipe(nn.Module):
         split_points: Sequence[str] | None = None,
         vertical_sync: bool = False,
         init: InitSpec = None,
+        spares: int | Sequence[str] = 0,
+        snapshot_every: int = 10,
     ) -> None:
         super().__init__()
+        self._spares, self.snapshot_every = _check_spares(spares, snapshot_every)
         self._captured: CapturedPipeModel | None = None
         original = module
         if wants_capture(module, split_points):
@@ -367,6 +379,7 @@ class Pipe(nn.Module):
         self.rpc_timeout = float(rpc_timeout)
         self._local_workers: Any = None
         self._finalizer: weakref.finalize | None = None
+        self._guard: recovery.Guard | None = None  # with spares: snapshots and recovery
 
     def _build_empty(self) -> None:
         """An empty ``nn.Sequential``: no stage; forward hands back its input as an RRef, which needs this
@@ -386,11 +399,19 @@ class Pipe(nn.Module):
         layout, how = placement.worker_layout(self.schedule, n, v)
         named = placement.interleaved_workers(workers, layout, how)
         held = placement.close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
+        spares = getattr(self, "_spares", 0)
+        extra = spares if isinstance(spares, int) else 0
         try:
             workers, self._local_workers = placement.stage_workers(
-                p, named, placement.worker_devices(devices, layout, how), held, self.rpc_timeout)
+                p + extra, named, placement.worker_devices(devices, layout, how) + [devices[0]] * extra, held,
+                self.rpc_timeout)
         finally:
             placement.release(held)
+        spare_names = list(spares) if not isinstance(spares, int) else list(workers[p:p + extra])
+        if isinstance(spares, int) and spares and self._local_workers is None:
+            raise ValueError(f"spares={spares} starts local spare workers, and this pipe's workers are named: name the "
+                             "spares too (spares=['worker5', ...], idle workers of the RPC group)")
+        workers = list(workers[:p]) if extra and self._local_workers is not None else workers
         if len(workers) != p:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
         workers = [workers[w] for w in layout]
@@ -405,6 +426,8 @@ class Pipe(nn.Module):
             self._stop_local_workers()
             raise
         self._release_when_dropped(driver)
+        if spare_names:
+            self._guard = recovery.Guard(driver, placement.check_spares(spare_names, workers), self.snapshot_every)
         return driver
 
     def _release_when_dropped(self, driver: LocalDriver | RemoteDriver) -> None:
@@ -798,6 +821,13 @@ class Pipe(nn.Module):
             if error:
                 error_msgs.append(f"stage {info.index} on worker {info.worker!r}: {error}")
 
+    @property
+    def recoveries(self) -> list[recovery.Recovery]:
+        """The lost stage workers this pipe recovered from (``spares=``), oldest first: which worker, its
+        stages, the spare that took them, the snapshot restored, the batches replayed and the time taken."""
+        guard = getattr(self, "_guard", None)
+        return list(guard.records) if guard is not None else []
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state under its own keys, as CPU copies gathered from every stage into this process
         (``nn.Module.state_dict``'s arguments). Fine for models that fit one process; for larger ones use
@@ -849,6 +879,9 @@ class Pipe(nn.Module):
         if self._finalizer is not None:
             self._finalizer.detach()
         driver = getattr(self, "_driver", None)
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.close()
         if driver is not None:
             if not getattr(driver, "streaming", False):  # (a stream's optimizers go with the next build)
                 pipe_optimizer.close_all(self)  # first: freeing them takes control calls to the stages
@@ -956,3 +989,12 @@ class Pipe(nn.Module):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, checkpoint={self.checkpoint!r}\n" + "\n".join(map(str, self.stages))
+
+
+def _check_spares(spares: Any, snapshot_every: Any) -> tuple[int | list[str], int]:
+    if isinstance(spares, bool) or not (isinstance(spares, int) and spares >= 0
+                                        or isinstance(spares, (list, tuple)) and all(isinstance(s, str) for s in spares)):
+        raise ValueError(f"spares must be a count of local spare workers or a list of worker names, got {spares!r}")
+    if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be a positive number of updates, got {snapshot_every!r}")
+    return (spares if isinstance(spares, int) else list(spares)), snapshot_every

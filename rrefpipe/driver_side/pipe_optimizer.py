@@ -44,6 +44,11 @@ def build(pipe: Pipe, cls: type[torch.optim.Optimizer], /, **kwargs: Any) -> Pip
     return optimizer
 
 
+def owned(driver: Any) -> list[PipeOptimizer]:
+    """The open optimizers built on the pipe whose driver is ``driver``."""
+    return [opt for opt in _owned.get(driver, []) if not opt.closed]
+
+
 def close_all(pipe: Pipe) -> None:
     """Close every optimizer built on ``pipe``; call it before the pipe's driver closes."""
     driver = getattr(pipe, "_driver", None)  # (none when the pipe's construction failed)
@@ -70,6 +75,7 @@ class PipeOptimizer:
         self._id = next(_ids)
         self._closed = False
         self._stages = list(range(len(pipe._driver.infos)))
+        self.schedulers: dict[int, bytes] = {}  # the schedulers built on it, by id: their factories (for a rebuild)
         try:
             payload = cloudpickle.dumps((cls, kwargs))
         except Exception as exc:
@@ -81,6 +87,7 @@ class PipeOptimizer:
         except BaseException:
             self._free()  # nothing is left half-built
             raise
+        self.payload = payload  # the class and its arguments, as the workers build it (a rebuild builds it again)
         self._names: list[list[list[str]]] = []  # per stage, per group: the parameters' names in pipe.state_dict()
         self._shapes: dict[str, list[int]] = {}
         for j, (groups, shapes) in built.items():
@@ -308,6 +315,7 @@ class StageSchedulers:
             self.close()  # nothing is left half-built
             raise
         self.on_metric = any(built.values())
+        owner.schedulers[self._id] = factory
 
     def __len__(self) -> int:
         return len(self._owner._stages)
@@ -328,6 +336,7 @@ class StageSchedulers:
         return list(self._owner._each(stage_optim.call_scheduler, args).values())
 
     def close(self) -> None:
+        self._owner.schedulers.pop(self._id, None)
         with contextlib.suppress(Exception):
             self._owner._each(stage_optim.drop_scheduler, {j: (self._id,) for j in self._owner._stages})
 

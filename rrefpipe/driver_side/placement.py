@@ -113,6 +113,18 @@ def stage_workers(n: int, workers: Sequence[str] | None, devices: Sequence[torch
     return workers, None
 
 
+def check_spares(spares: Sequence[str], workers: Sequence[str]) -> list[str]:
+    """Spare workers must be RPC workers that serve none of the pipe's stages."""
+    taken = [s for s in spares if s in workers]
+    if taken:
+        raise ValueError(f"spares {taken} serve stages of this pipe: name idle workers as spares")
+    known = set(_rpc.worker_names())
+    unknown = [s for s in spares if s not in known]
+    if unknown:
+        raise ValueError(f"unknown spare worker names {unknown}; the RPC group has {sorted(known)}")
+    return list(spares)
+
+
 def worker_layout(schedule: str, stages: int, stages_per_worker: int) -> tuple[list[int], str]:
     """Each stage's worker index under ``schedule`` (:func:`rrefpipe.schedule.stage_layout`), and that
     layout in words for errors."""

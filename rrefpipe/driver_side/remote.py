@@ -163,6 +163,15 @@ class RemoteDriver:
             self.close()
             raise
 
+    def reconnect(self, workers: Sequence[str], infos: Sequence[StageInfo]) -> None:
+        """The stages were rebuilt (some on other workers, ``driver_side.recovery``): tell every stage where
+        the others live now."""
+        self.workers, self.infos = list(workers), list(infos)
+        routes = route([(info.stashes, info.pops) for info in self.infos])
+        for j, stage_routes in enumerate(routes):
+            self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, deliver, keep_phony,
+                       reported=False)
+
     def tie(self, tied: list[dict[int, str]]) -> None:
         """Parameters several stages hold a copy of (a captured model's tied weights): their gradients are
         summed after each backward and training step (:meth:`sum_tied_gradients`)."""

@@ -331,18 +331,64 @@ def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any
 
 def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any, lr_scheduler: Any
                 ) -> Iterator[Tensor]:
-    """Under a synchronous schedule: ``train_step`` and ``optimizer.step`` per batch, exactly."""
-    for t, item in enumerate(batches):
-        try:
-            value, target = _pair(pipe, item, captured=False)
-        except TypeError as exc:
-            raise TypeError(f"item {t} of the stream: {exc}") from exc
+    """Under a synchronous schedule: ``train_step`` and ``optimizer.step`` per batch, exactly. With spares
+    (``pipe._guard``), a step that a lost worker failed is recovered from and run again
+    (:mod:`rrefpipe.driver_side.recovery`)."""
+    guard = pipe._guard
+    if guard is not None:
+        from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
+
+        if not isinstance(optimizer, PipeOptimizer):
+            raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
+                            f"a {type(optimizer).__name__} (a DistributedOptimizer holds RRefs to the lost worker's "
+                            "parameters)")
+        if guard.committed is None:
+            guard.snapshot()  # the state before the stream's first update
+
+    def step(batch: tuple[Any, Any]) -> Tensor:
         with dist_autograd.context() as context_id:
-            loss = pipe.train_step(context_id, value, target, loss_fn)
+            loss = pipe.train_step(context_id, batch[0], batch[1], loss_fn)
             optimizer.step(context_id)
         if lr_scheduler is not None:
             lr_scheduler.step()
-        yield loss
+        return loss
+
+    def replay(batch: tuple[Any, Any]) -> None:
+        step(batch)
+        guard.applied(batch)
+
+    for t, item in enumerate(batches):
+        try:
+            batch = _pair(pipe, item, captured=False)
+        except TypeError as exc:
+            raise TypeError(f"item {t} of the stream: {exc}") from exc
+        if guard is None:
+            yield step(batch)
+            continue
+        try:
+            yield _guarded(guard, batch, step, replay)
+        except BaseException:
+            if guard.failed:
+                pipe.close()  # workers were lost beyond recovery: its stages and spares are let go
+            raise
+
+
+def _guarded(guard: Any, batch: Any, step: Any, replay: Any) -> Tensor:
+    """One update of a pipe with spares: run again after a recovery from a lost worker; then a snapshot if
+    one is due (a recovery there restores the last one and replays, this batch included)."""
+    while True:
+        try:
+            loss = step(batch)
+            break
+        except Exception as exc:
+            guard.recover(exc, replay)
+    guard.applied(batch)
+    if guard.due():
+        try:
+            guard.snapshot()
+        except Exception as exc:
+            guard.recover(exc, replay, snapshotting=True)
+    return loss
 
 
 def stream(pipe: Any, inputs: Iterable[Any], in_flight: int | None) -> Iterator[Any]:

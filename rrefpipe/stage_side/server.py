@@ -512,6 +512,12 @@ def _noop() -> None:
     return None
 
 
+def discard_stage(pipe_id: str, index: int) -> None:
+    """Drop the stage if this worker has it (a rebuild replaces it: nothing is waiting to be built)."""
+    with _registry_lock:
+        _servers.pop((pipe_id, index), None)
+
+
 def destroy_stage(pipe_id: str, index: int) -> None:
     """Drop the stage; one not built yet (its driver was interrupted while a worker with several RPC
     threads builds it) is dropped once built."""

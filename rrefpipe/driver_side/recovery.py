@@ -1,0 +1,205 @@
+"""A pipe that outlives its stage workers: ``Pipe(..., spares=k)`` keeps a snapshot of every stage on a
+spare worker and, when a stage worker dies during ``train_stream``, moves its stages to a spare, puts
+every stage back to the last snapshot and replays the batches since, so that the run goes on to the
+weights it would have had (the worker side: :mod:`rrefpipe.stage_side.snapshots`).
+
+Why this design (measured in ``docs/engine-notes-recovery.md``): torch's RPC group is static and keeps a
+SIGKILLed member, but calls to the live workers, new distributed-autograd contexts that avoid the dead
+one and a stage built on an idle spare all work, with exact gradients; no error names the dead worker,
+so the driver finds it by pinging; a dynamic group cannot take a new process once a member died, so
+spares are started with the pipe. A snapshot is taken every ``snapshot_every`` updates, between steps,
+each stage sending its own straight to the holder (the first free spare), which commits a generation
+only once every stage's arrived: a failure while one is taken leaves the previous one whole.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from .. import _rpc
+from ..errors import StageError, WorkerError
+from ..stage_side import snapshots
+from . import pipe_optimizer
+from .remote import RemoteDriver
+
+__all__ = ["Recovery", "Guard"]
+
+PING_TIMEOUT = 2.0  # seconds a live worker has to answer; a dead one fails at once (engine notes, fact 1)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery: the worker lost, where its stages went, and what it cost."""
+
+    worker: str  # the stage worker found dead
+    stages: tuple[int, ...]  # its stages, now on ``spare``
+    spare: str
+    failed_update: int  # updates every stage had applied when the failure surfaced
+    restored_update: int  # the snapshot every stage went back to
+    replayed: int  # batches run again since that snapshot
+    seconds: float  # from the failure surfacing to the failed batch running again
+    cause: str  # the error that surfaced it
+
+
+class Guard:
+    """Snapshots and recovery for one pipe with spares (see the module's docstring)."""
+
+    def __init__(self, driver: RemoteDriver, spares: Sequence[str], snapshot_every: int) -> None:
+        self.driver = driver
+        self.spares = list(spares)  # not serving stages, alive as far as known
+        self.holder: str | None = self.spares[0] if self.spares else None
+        self.every = snapshot_every
+        self.generation = 0
+        self.updates = 0  # updates applied by train_stream since the pipe was built
+        self.committed: int | None = None  # the update count of the committed snapshot
+        self.since: list[Any] = []  # the batches since the committed snapshot, to replay
+        self.records: list[Recovery] = []
+        self.snapshot_bytes = 0
+        self.snapshot_seconds: list[float] = []
+        self.failed = False  # workers were lost and the pipe could not recover
+
+    # -- snapshots ------------------------------------------------------------------------------------------
+    def _optimizers(self) -> dict[int, list[int]]:
+        return {opt.id: list(opt.schedulers) for opt in pipe_optimizer.owned(self.driver)}
+
+    def snapshot(self) -> None:
+        """Every stage's state now, kept on the holder (committed once all arrived)."""
+        if self.holder is None:
+            return
+        started = time.perf_counter()
+        self.generation += 1
+        optimizers = self._optimizers()
+        calls = [(j, rpc.rpc_async(w, snapshots.push, args=(self.driver.pipe_id, j, self.holder, self.generation,
+                                                               optimizers, self.driver.rpc_timeout),
+                                   timeout=self.driver.rpc_timeout)) for j, w in enumerate(self.driver.workers)]
+        for j, call in calls:
+            try:
+                _rpc.wait(call)
+            except Exception as exc:
+                raise self.driver._control_failure(j, snapshots.push, exc) from exc
+        self.snapshot_bytes = rpc.rpc_sync(self.holder, snapshots.commit,
+                                           args=(self.driver.pipe_id, self.generation, len(self.driver.workers)),
+                                           timeout=self.driver.rpc_timeout)
+        self.committed = self.updates
+        self.since.clear()
+        self.snapshot_seconds.append(time.perf_counter() - started)
+
+    def applied(self, batch: Any) -> None:
+        """One more update applied everywhere (``batch`` made it)."""
+        self.updates += 1
+        self.since.append(batch)
+
+    def due(self) -> bool:
+        """Whether a snapshot is due (every ``every`` updates, and when none is committed)."""
+        return self.holder is not None and (self.committed is None or self.updates - self.committed >= self.every)
+
+    # -- recovery -------------------------------------------------------------------------------------------
+    def dead(self, workers: Sequence[str]) -> list[str]:
+        """Those of ``workers`` that do not answer a ping."""
+        pings = {w: rpc.rpc_async(w, snapshots.alive, timeout=PING_TIMEOUT) for w in dict.fromkeys(workers)}
+        gone = []
+        for w, ping in pings.items():
+            try:
+                _rpc.wait(ping)
+            except Exception:
+                gone.append(w)
+        return gone
+
+    def recover(self, exc: BaseException, replay: Callable[[Any], None], snapshotting: bool = False) -> None:
+        """After ``exc`` surfaced in a step (or, ``snapshotting``, in a snapshot taken after it): if stage
+        workers died, move their stages to spares, put every stage back to the committed snapshot and
+        ``replay`` the batches since (``replay(batch)`` runs one update and calls :meth:`applied`); if only
+        the holder died in a snapshot, take it again on another spare; otherwise raise ``exc``. Where
+        workers died and the pipe cannot recover (no spare left, the holder lost too), ``failed`` is set
+        and ``exc`` raised with a note saying why."""
+        started = time.perf_counter()
+        driver = self.driver
+        holder = self.holder
+        before = list(driver.workers)
+        stage_workers = list(dict.fromkeys(before))
+        lost = self.dead(stage_workers + ([holder] if holder is not None else []))
+        lost_stages = [w for w in stage_workers if w in lost]
+        self.spares = [s for s in self.spares if s not in lost]
+        if not lost_stages:
+            if holder is None or holder not in lost:
+                raise exc  # not a lost worker: the caller's error, as without spares
+            self._lose_holder()  # a spare died: the snapshots go to another, or the pipe runs on unguarded
+            if snapshotting:
+                self.snapshot()
+                return
+            raise exc
+        if holder is None or holder in lost or self.committed is None:
+            self.failed = True
+            _note(exc, f"worker(s) {lost_stages} died and the pipe cannot recover: " + (
+                "no spare worker was left to take their stages" if holder is None else
+                f"the spare holding the snapshots ({holder!r}) is lost too") + "; the pipe is closed")
+            raise exc
+        free = [holder] + [s for s in self.spares if s != holder]
+        if len(free) < len(lost_stages):
+            self.failed = True
+            _note(exc, f"workers {lost_stages} died and only {len(free)} spare(s) are left: the pipe cannot recover; "
+                       "the pipe is closed")
+            raise exc
+        moved = dict(zip(lost_stages, free))
+        workers = [moved.get(w, w) for w in driver.workers]
+        calls = [rpc.rpc_async(holder, snapshots.send, args=(driver.pipe_id, j, w, driver.rpc_timeout),
+                               timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
+        infos = []
+        for j, call in enumerate(calls):
+            try:
+                infos.append(_rpc.wait(call)[1])
+            except Exception as error:
+                raise StageError(j, workers[j], None, "rebuilding the stage from its snapshot (recovery)",
+                                 type(error).__name__, str(error)) from exc
+        driver.reconnect(workers, infos)
+        optimizers = {opt.id: (opt.payload, dict(opt.schedulers)) for opt in pipe_optimizer.owned(driver)}
+        restoring = [rpc.rpc_async(w, snapshots.restore_optimizers, args=(driver.pipe_id, j, optimizers),
+                                   timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
+        for call in restoring:
+            _rpc.wait(call)
+        self.spares = [s for s in self.spares if s not in moved.values()]
+        failed_update, restored = self.updates, self.committed
+        again, self.since = list(self.since), []
+        self.updates = restored
+        if holder in moved.values():  # it serves stages now: the next snapshot goes to a spare still free
+            self._lose_holder()
+            self.snapshot()  # (the state after the replay below is what a later failure goes back to)
+        for batch in again:
+            replay(batch)
+        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        for w, spare in moved.items():
+            self.records.append(Recovery(w, tuple(j for j, old in enumerate(before) if old == w), spare, failed_update,
+                                         restored, len(again), time.perf_counter() - started, cause))
+
+    def _lose_holder(self) -> None:
+        """The holder serves stages now (or died): the next free spare holds the snapshots, if any."""
+        old = self.holder
+        self.holder = next((s for s in self.spares if s != old and s not in self.driver.workers), None)
+        self.committed = None
+        if old is not None:
+            try:
+                rpc.rpc_sync(old, snapshots.drop, args=(self.driver.pipe_id,), timeout=PING_TIMEOUT)
+            except Exception:
+                pass  # (a dead holder's memory went with it)
+
+    def close(self) -> None:
+        """Drop the pipe's snapshots from the holder."""
+        if self.holder is not None:
+            try:
+                rpc.rpc_sync(self.holder, snapshots.drop, args=(self.driver.pipe_id,), timeout=PING_TIMEOUT)
+            except Exception:
+                pass
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # (Python 3.11+; shown under the message)
+        exc.add_note(text)
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether ``exc`` may come from a lost worker (the guard then pings to know)."""
+    return isinstance(exc, (StageError, WorkerError, RuntimeError))
