@@ -821,6 +821,32 @@ class Pipe(nn.Module):
             if error:
                 error_msgs.append(f"stage {info.index} on worker {info.worker!r}: {error}")
 
+    def snapshot(self, tag: Any = None) -> None:
+        """Copy every stage's state (weights, buffers, ``pipe.optimizer`` states and their schedulers', random
+        state) to a spare worker, for :meth:`recover` in a loop of your own (``train_stream`` takes its own
+        every ``snapshot_every`` updates). Call it between steps; ``tag`` (a step number, say) is what
+        ``recover()`` returns. Needs ``spares=``."""
+        self._guarded_call("snapshot").snapshot(tag)
+
+    def recover(self) -> Any:
+        """After a step failed (a ``WorkerError`` from a dead stage worker, say), in a loop of your own: move
+        the stages of dead workers to spares and put every stage back to the last :meth:`snapshot`; returns
+        that snapshot's tag, the step to go on from (run your batches since then again, each in a new
+        distributed autograd context). ``pipe.optimizer`` is restored with the stages; a
+        ``DistributedOptimizer`` holds RRefs to the old parameters: build a new one over
+        ``pipe.parameter_rrefs()`` (its state is not in the snapshot).
+
+        Raises:
+            RuntimeError: no snapshot was taken, or workers died and no spare is left to take their stages
+                (nor the spare that holds the snapshots); the pipe is left as it was.
+        """
+        return self._guarded_call("recover").restore()
+
+    def _guarded_call(self, what: str) -> recovery.Guard:
+        if self._guard is None:
+            raise RuntimeError(f"pipe.{what}() needs spare workers: build the pipe with spares=1 (or more)")
+        return self._guard
+
     @property
     def recoveries(self) -> list[recovery.Recovery]:
         """The lost stage workers this pipe recovered from (``spares=``), oldest first: which worker, its

@@ -61,13 +61,15 @@ class Guard:
         self.snapshot_bytes = 0
         self.snapshot_seconds: list[float] = []
         self.failed = False  # workers were lost and the pipe could not recover
+        self.tag: Any = None  # the committed snapshot's (``pipe.snapshot(tag)``)
 
     # -- snapshots ------------------------------------------------------------------------------------------
     def _optimizers(self) -> dict[int, list[int]]:
         return {opt.id: list(opt.schedulers) for opt in pipe_optimizer.owned(self.driver)}
 
-    def snapshot(self) -> None:
-        """Every stage's state now, kept on the holder (committed once all arrived)."""
+    def snapshot(self, tag: Any = None) -> None:
+        """Every stage's state now, kept on the holder (committed once all arrived); ``tag`` is what
+        :meth:`restore` returns for it."""
         if self.holder is None:
             return
         started = time.perf_counter()
@@ -85,6 +87,7 @@ class Guard:
                                            args=(self.driver.pipe_id, self.generation, len(self.driver.workers)),
                                            timeout=self.driver.rpc_timeout)
         self.committed = self.updates
+        self.tag = tag
         self.since.clear()
         self.snapshot_seconds.append(time.perf_counter() - started)
 
@@ -117,13 +120,8 @@ class Guard:
         workers died and the pipe cannot recover (no spare left, the holder lost too), ``failed`` is set
         and ``exc`` raised with a note saying why."""
         started = time.perf_counter()
-        driver = self.driver
         holder = self.holder
-        before = list(driver.workers)
-        stage_workers = list(dict.fromkeys(before))
-        lost = self.dead(stage_workers + ([holder] if holder is not None else []))
-        lost_stages = [w for w in stage_workers if w in lost]
-        self.spares = [s for s in self.spares if s not in lost]
+        lost, lost_stages = self._lost()
         if not lost_stages:
             if holder is None or holder not in lost:
                 raise exc  # not a lost worker: the caller's error, as without spares
@@ -132,19 +130,71 @@ class Guard:
                 self.snapshot()
                 return
             raise exc
-        if holder is None or holder in lost or self.committed is None:
+        why = self._cannot(lost, lost_stages)
+        if why:
             self.failed = True
-            _note(exc, f"worker(s) {lost_stages} died and the pipe cannot recover: " + (
-                "no spare worker was left to take their stages" if holder is None else
-                f"the spare holding the snapshots ({holder!r}) is lost too") + "; the pipe is closed")
+            _note(exc, f"{why}; the pipe is closed")
             raise exc
+        before = list(self.driver.workers)
+        moved = self._restore(lost_stages)
+        failed_update, restored = self.updates, self.committed
+        assert restored is not None
+        again, self.since = list(self.since), []
+        self.updates = restored
+        if self.holder in moved.values():  # it serves stages now: the next snapshot goes to a spare still free
+            self._lose_holder()
+            self.snapshot()  # (the state after the replay below is what a later failure goes back to)
+        for batch in again:
+            replay(batch)
+        self._record(moved, before, failed_update, restored, len(again), started,
+                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    def restore(self) -> Any:
+        """``pipe.recover()``: every stage back to the last snapshot (``pipe.snapshot(tag)``'s), the stages
+        of dead workers on spares; returns that snapshot's tag."""
+        started = time.perf_counter()
+        if self.committed is None or self.holder is None:
+            raise RuntimeError("no snapshot to recover from: take one with pipe.snapshot(tag) (a pipe with spares= "
+                               "keeps the last one on a spare)" if self.committed is None else
+                               "the spare that held the snapshots is lost, and no spare is left to hold them")
+        lost, lost_stages = self._lost()
+        why = self._cannot(lost, lost_stages)
+        if why:
+            raise RuntimeError(why)
+        before = list(self.driver.workers)
+        moved = self._restore(lost_stages)
+        tag = self.tag
+        if self.holder in moved.values():
+            self._lose_holder()
+            self.snapshot(tag)
+        self._record(moved, before, self.updates, self.committed or 0, 0, started, "pipe.recover()")
+        return tag
+
+    def _lost(self) -> tuple[list[str], list[str]]:
+        """The workers (stage workers and the holder) that do not answer, and the stage workers among them."""
+        stage_workers = list(dict.fromkeys(self.driver.workers))
+        lost = self.dead(stage_workers + ([self.holder] if self.holder is not None else []))
+        self.spares = [s for s in self.spares if s not in lost]
+        return lost, [w for w in stage_workers if w in lost]
+
+    def _cannot(self, lost: list[str], lost_stages: list[str]) -> str:
+        """Why the stages of ``lost_stages`` cannot be recovered, or ''."""
+        holder = self.holder
+        if holder is None or holder in lost or self.committed is None:
+            return f"worker(s) {lost_stages} died and the pipe cannot recover: " + (
+                "no spare worker was left to take their stages" if holder is None else
+                f"the spare holding the snapshots ({holder!r}) is lost too")
         free = [holder] + [s for s in self.spares if s != holder]
         if len(free) < len(lost_stages):
-            self.failed = True
-            _note(exc, f"workers {lost_stages} died and only {len(free)} spare(s) are left: the pipe cannot recover; "
-                       "the pipe is closed")
-            raise exc
-        moved = dict(zip(lost_stages, free))
+            return f"workers {lost_stages} died and only {len(free)} spare(s) are left: the pipe cannot recover"
+        return ""
+
+    def _restore(self, lost_stages: list[str]) -> dict[str, str]:
+        """Rebuild every stage from the committed snapshot, those of ``lost_stages`` on spares (the holder
+        first: it has the snapshots); reconnect them and restore their optimizers. Returns the moves."""
+        driver, holder = self.driver, self.holder
+        assert holder is not None
+        moved = dict(zip(lost_stages, [holder] + [s for s in self.spares if s != holder]))
         workers = [moved.get(w, w) for w in driver.workers]
         calls = [rpc.rpc_async(holder, snapshots.send, args=(driver.pipe_id, j, w, driver.rpc_timeout),
                                timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
@@ -154,7 +204,7 @@ class Guard:
                 infos.append(_rpc.wait(call)[1])
             except Exception as error:
                 raise StageError(j, workers[j], None, "rebuilding the stage from its snapshot (recovery)",
-                                 type(error).__name__, str(error)) from exc
+                                 type(error).__name__, str(error)) from error
         driver.reconnect(workers, infos)
         optimizers = {opt.id: (opt.payload, dict(opt.schedulers)) for opt in pipe_optimizer.owned(driver)}
         restoring = [rpc.rpc_async(w, snapshots.restore_optimizers, args=(driver.pipe_id, j, optimizers),
@@ -162,18 +212,13 @@ class Guard:
         for call in restoring:
             _rpc.wait(call)
         self.spares = [s for s in self.spares if s not in moved.values()]
-        failed_update, restored = self.updates, self.committed
-        again, self.since = list(self.since), []
-        self.updates = restored
-        if holder in moved.values():  # it serves stages now: the next snapshot goes to a spare still free
-            self._lose_holder()
-            self.snapshot()  # (the state after the replay below is what a later failure goes back to)
-        for batch in again:
-            replay(batch)
-        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return moved
+
+    def _record(self, moved: dict[str, str], before: list[str], failed_update: int, restored: int, replayed: int,
+                started: float, cause: str) -> None:
         for w, spare in moved.items():
             self.records.append(Recovery(w, tuple(j for j, old in enumerate(before) if old == w), spare, failed_update,
-                                         restored, len(again), time.perf_counter() - started, cause))
+                                         restored, replayed, time.perf_counter() - started, cause))
 
     def _lose_holder(self) -> None:
         """The holder serves stages now (or died): the next free spare holds the snapshots, if any."""

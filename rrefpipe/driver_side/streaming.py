@@ -295,6 +295,11 @@ def train_stream(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any
             raise TypeError(f"optimizer must have step(context_id) (pipe.optimizer(...) or a DistributedOptimizer), "
                             f"got {type(optimizer).__name__}")
         return _train_loop(pipe, batches, loss_fn, optimizer, lr_scheduler)
+    if pipe._guard is not None:
+        raise ValueError(f"spares recover synchronous schedules: under {pipe.schedule} each stage holds weight versions "
+                         "of batches still in flight, which the snapshots (taken between updates) do not capture, so a "
+                         "rebuilt pipeline could not go on exactly; use GPipe, 1F1B or an interleaved schedule with "
+                         "spares, or no spares")
     if not isinstance(optimizer, PipeOptimizer):
         raise TypeError(f"train_stream under {pipe.schedule} steps the stages' optimizers inside the pipeline: pass "
                         f"the pipe's own, pipe.optimizer(torch.optim.SGD, lr=...), not a {type(optimizer).__name__}")
@@ -337,6 +342,11 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
     guard = pipe._guard
     if guard is not None:
         from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
+
+        if replicas.current() is not None:
+            raise ValueError("spares with replicas: recovery is not supported there yet (a replica's lost worker "
+                             "would have to take its state from the same stage of another replica); train without "
+                             "spares=")
 
         if not isinstance(optimizer, PipeOptimizer):
             raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
