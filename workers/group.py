@@ -52,10 +52,11 @@ class StageWorkers(list[str]):
     its place among the replicas: ``replica`` (0-based) and ``replicas``, for a
     ``DistributedSampler(dataset, num_replicas=workers.replicas, rank=workers.replica)``."""
 
-    def __init__(self, names: Sequence[str], replica: int = 0, replicas: int = 1) -> None:
+    def __init__(self, names: Sequence[str], replica: int = 0, replicas: int = 1, spares: Sequence[str] = ()) -> None:
         super().__init__(names)
         self.replica = replica
         self.replicas = replicas
+        self.spares = list(spares)  # idle workers for ``Pipe(..., spares=stage_workers.spares)``
 
     @property
     def group(self) -> Any:
@@ -241,6 +242,7 @@ def torchrun_group(
     replicas: int = 1,
     layout: str = "replica",
     collective_timeout: float | None = None,
+    spares: int = 0,
 ) -> Iterator[StageWorkers]:
     """Join the job's RPC group. On each driver yield its replica's stage workers; on other ranks serve and exit.
 
@@ -267,10 +269,16 @@ def torchrun_group(
         collective_timeout: seconds a collective between replicas (averaging gradients) may wait for
             the others before the step fails; default ``rpc_timeout``. A replica that stops taking part
             (dead, or out of data) fails the others' steps after this long, not c10d's 30 minutes.
+        spares: the job's last ``spares`` ranks serve no stage: the yielded list leaves them out and
+            names them in its ``spares``, for ``Pipe(..., workers=stage_workers,
+            spares=stage_workers.spares)`` (a stage worker that dies is replaced by one). One replica only.
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
     group = GroupEnv.from_environ(replicas=replicas, layout=layout)
+    if spares and (replicas != 1 or not 0 < spares < len(group.stage_workers)):
+        raise ValueError(f"spares={spares} with replicas={replicas} and {len(group.stage_workers)} stage workers: "
+                         "spares are for one replica, and leave at least one stage worker")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = group.master_addr, str(group.master_port)
     configure_interface(interface, group.master_addr, who=f"rank {group.rank} ({group.name})")
     own_devices, maps = stage_devices(group, devices, device_maps)
@@ -289,7 +297,8 @@ def torchrun_group(
     try:
         if join is not None:
             join()
-        yield StageWorkers(group.stage_workers, group.replica, group.replicas)
+        names = list(group.stage_workers)
+        yield StageWorkers(names[:len(names) - spares], group.replica, group.replicas, names[len(names) - spares:])
     finally:
         stop_workers(group.stage_workers)
         if group.replicas > 1 and dist.is_initialized():
