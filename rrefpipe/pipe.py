@@ -826,7 +826,7 @@ class Pipe(nn.Module):
         state) to a spare worker, for :meth:`recover` in a loop of your own (``train_stream`` takes its own
         every ``snapshot_every`` updates). Call it between steps; ``tag`` (a step number, say) is what
         ``recover()`` returns. Needs ``spares=``."""
-        self._guarded_call("snapshot").snapshot(tag)
+        self._guarded_call("snapshot").snapshot(tag, required=True)
 
     def recover(self) -> Any:
         """After a step failed (a ``WorkerError`` from a dead stage worker, say), in a loop of your own: move

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from .. import _rpc
-from ..errors import StageError, WorkerError
+from ..errors import StageError, WorkerError, warn_user
 from ..stage_side import snapshots
 from . import pipe_optimizer
 from .remote import RemoteDriver
@@ -33,16 +33,28 @@ PING_TIMEOUT = 2.0  # seconds a live worker has to answer; a dead one fails at o
 
 @dataclass(frozen=True)
 class Recovery:
-    """One recovery: the worker lost, where its stages went, and what it cost."""
+    """One recovery (``pipe.recoveries``): the worker lost, where its stages went, and what it cost.
 
-    worker: str  # the stage worker found dead
-    stages: tuple[int, ...]  # its stages, now on ``spare``
+    Attributes:
+        worker: the stage worker found dead.
+        stages: its stages, now on ``spare``.
+        spare: the spare worker that took them.
+        failed_update: ``train_stream``'s updates applied when the failure surfaced (after ``pipe.recover()``
+            in a loop of your own, which the pipe does not count: the tag ``recover()`` returned tells).
+        restored_update: the update count of the snapshot every stage went back to (as above).
+        replayed: batches ``train_stream`` ran again since that snapshot (0 for ``pipe.recover()``).
+        seconds: from the failure surfacing to the failed batch about to run again (replay included).
+        cause: the error that surfaced it (``'pipe.recover()'`` for that call).
+    """
+
+    worker: str
+    stages: tuple[int, ...]
     spare: str
-    failed_update: int  # updates every stage had applied when the failure surfaced
-    restored_update: int  # the snapshot every stage went back to
-    replayed: int  # batches run again since that snapshot
-    seconds: float  # from the failure surfacing to the failed batch running again
-    cause: str  # the error that surfaced it
+    failed_update: int
+    restored_update: int
+    replayed: int
+    seconds: float
+    cause: str
 
 
 class Guard:
@@ -67,10 +79,14 @@ class Guard:
     def _optimizers(self) -> dict[int, list[int]]:
         return {opt.id: list(opt.schedulers) for opt in pipe_optimizer.owned(self.driver)}
 
-    def snapshot(self, tag: Any = None) -> None:
+    def snapshot(self, tag: Any = None, required: bool = False) -> None:
         """Every stage's state now, kept on the holder (committed once all arrived); ``tag`` is what
-        :meth:`restore` returns for it."""
+        :meth:`restore` returns for it. Without a holder (no spare left) nothing is taken, or, ``required``
+        (``pipe.snapshot``), a RuntimeError says so."""
         if self.holder is None:
+            if required:
+                raise RuntimeError("no spare worker is left to hold a snapshot (each took the stages of a lost worker, "
+                                   "or died): this pipe can no longer recover")
             return
         started = time.perf_counter()
         self.generation += 1
@@ -171,9 +187,10 @@ class Guard:
         return tag
 
     def _lost(self) -> tuple[list[str], list[str]]:
-        """The workers (stage workers and the holder) that do not answer, and the stage workers among them."""
+        """The workers (stage workers, the holder and the other spares) that do not answer, and the stage
+        workers among them; dead spares are forgotten."""
         stage_workers = list(dict.fromkeys(self.driver.workers))
-        lost = self.dead(stage_workers + ([self.holder] if self.holder is not None else []))
+        lost = self.dead(stage_workers + ([self.holder] if self.holder is not None else []) + self.spares)
         self.spares = [s for s in self.spares if s not in lost]
         return lost, [w for w in stage_workers if w in lost]
 
@@ -221,10 +238,18 @@ class Guard:
                                          restored, replayed, time.perf_counter() - started, cause))
 
     def _lose_holder(self) -> None:
-        """The holder serves stages now (or died): the next free spare holds the snapshots, if any."""
+        """The holder serves stages now (or died): the next free spare that answers holds the snapshots; with
+        none, the pipe runs on unable to recover, and says so."""
         old = self.holder
-        self.holder = next((s for s in self.spares if s != old and s not in self.driver.workers), None)
+        candidates = [s for s in self.spares if s != old and s not in self.driver.workers]
+        gone = self.dead(candidates) if candidates else []
+        self.spares = [s for s in self.spares if s not in gone]
+        self.holder = next((s for s in candidates if s not in gone), None)
         self.committed = None
+        if self.holder is None:
+            warn_user(f"no spare worker is left to hold the pipe's snapshots (the last, {old!r}, "
+                      f"{'now serves stages' if old in self.driver.workers else 'is lost'}): the pipe goes on, but a "
+                      "stage worker lost from now on ends it")
         if old is not None:
             try:
                 rpc.rpc_sync(old, snapshots.drop, args=(self.driver.pipe_id,), timeout=PING_TIMEOUT)
