@@ -74,6 +74,7 @@ class Guard:
         self.snapshot_seconds: list[float] = []
         self.failed = False  # workers were lost and the pipe could not recover
         self.tag: Any = None  # the committed snapshot's (``pipe.snapshot(tag)``)
+        self._warmed: set[int] = set()  # optimizers whose class the spares have built once
 
     # -- snapshots ------------------------------------------------------------------------------------------
     def _optimizers(self) -> dict[int, list[int]]:
@@ -91,6 +92,7 @@ class Guard:
         started = time.perf_counter()
         self.generation += 1
         optimizers = self._optimizers()
+        self._warm()
         calls = [(j, rpc.rpc_async(w, snapshots.push, args=(self.driver.pipe_id, j, self.holder, self.generation,
                                                                optimizers, self.driver.rpc_timeout),
                                    timeout=self.driver.rpc_timeout)) for j, w in enumerate(self.driver.workers)]
@@ -106,6 +108,17 @@ class Guard:
         self.tag = tag
         self.since.clear()
         self.snapshot_seconds.append(time.perf_counter() - started)
+
+    def _warm(self) -> None:
+        """Build each new optimizer class once on every spare (see ``snapshots.warm``)."""
+        fresh = [opt for opt in pipe_optimizer.owned(self.driver) if opt.id not in self._warmed]
+        if not fresh:
+            return
+        calls = [rpc.rpc_async(s, snapshots.warm, args=([opt.payload for opt in fresh],),
+                               timeout=self.driver.rpc_timeout) for s in self.spares if s not in self.driver.workers]
+        for call in calls:
+            _rpc.wait(call)
+        self._warmed.update(opt.id for opt in fresh)
 
     def applied(self, batch: Any) -> None:
         """One more update applied everywhere (``batch`` made it)."""

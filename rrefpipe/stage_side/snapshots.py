@@ -45,6 +45,14 @@ def alive() -> bool:
     return True
 
 
+def warm(payloads: list[bytes]) -> None:
+    """On a spare: build each optimizer class once, on a throwaway parameter, so that what its first
+    construction imports (``torch._dynamo``, a second or more) is paid now, not in a recovery."""
+    for payload in payloads:
+        cls, kwargs = cloudpickle.loads(payload)
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
 # -- on the stage's worker -------------------------------------------------------------------------------
 def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> bytes:
     """Stage ``j``'s snapshot, pickled: spec, layers, optimizers (by id, with their schedulers' states)."""
