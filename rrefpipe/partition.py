@@ -78,11 +78,14 @@ def uniform_balance(num_layers: int, num_stages: int) -> list[int]:
 
 
 def module_device(module: nn.Module, where: str) -> torch.device | None:
-    """The one device holding ``module``'s parameters and buffers (None when it has none). Tensors on the
-    meta device (a model built there, made on the stage's worker) count only where all are."""
+    """The one device holding ``module``'s parameters and buffers (None when it has none). A module whose
+    parameters are all on the meta device (made on the stage's worker, ``Pipe(init=)``) may keep real
+    buffers (``rrefpipe.meta_parameters()``); parameters on the meta device and elsewhere are refused,
+    as PyTorch's Pipe refused them."""
     devices = {t.device for t in [*module.parameters(), *module.buffers()]}
-    if len(devices) > 1:
-        devices.discard(torch.device("meta"))
+    meta = torch.device("meta")
+    if len(devices) > 1 and meta in devices and all(p.is_meta for p in module.parameters()):
+        devices.discard(meta)
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(f"{where} has parameters on several devices ({names}); all of one stage must be on one device "

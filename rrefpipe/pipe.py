@@ -412,6 +412,12 @@ class Pipe(nn.Module):
             raise ValueError(f"spares={spares} starts local spare workers, and this pipe's workers are named: name the "
                              "spares too (spares=['worker5', ...], idle workers of the RPC group)")
         workers = list(workers[:p]) if extra and self._local_workers is not None else workers
+        if spare_names:  # checked before any stage is built
+            try:
+                spare_names = placement.check_spares(spare_names, workers)
+            except BaseException:
+                self._stop_local_workers()
+                raise
         if len(workers) != p:
             raise ValueError(f"{len(workers)} workers named for {n} stages: {list(workers)}")
         workers = [workers[w] for w in layout]
@@ -427,7 +433,7 @@ class Pipe(nn.Module):
             raise
         self._release_when_dropped(driver)
         if spare_names:
-            self._guard = recovery.Guard(driver, placement.check_spares(spare_names, workers), self.snapshot_every)
+            self._guard = recovery.Guard(driver, spare_names, self.snapshot_every)
         return driver
 
     def _release_when_dropped(self, driver: LocalDriver | RemoteDriver) -> None:

@@ -356,14 +356,17 @@ def test_sequential_init_none_is_seeded_by_the_drivers_seed(cluster):
 
 
 def test_sequential_init_none_keeps_real_layers_and_resets_buffers(cluster):
-    """Only what is on the meta device is reset: a real layer travels with its values; a BatchNorm on meta
-    gets its running statistics reset (mean 0, variance 1, no batches)."""
+    """Only what is on the meta device is reset: a real stage travels with its values; a BatchNorm on meta
+    gets its running statistics reset (mean 0, variance 1, no batches). Real and meta parameters in one
+    stage are refused, as PyTorch's Pipe refused parameters on two devices."""
     torch.manual_seed(3)
     real_first = nn.Linear(4, 8)
     with torch.device("meta"):
         rest = [nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)]
     model = nn.Sequential(real_first, *rest)
-    with Pipe(model, balance=[2, 2], workers=cluster.names[:2]) as pipe:
+    with pytest.raises(ValueError, match="stage 0 has parameters on several devices"):
+        Pipe(model, balance=[2, 2], workers=cluster.names[:2])
+    with Pipe(model, balance=[1, 3], workers=cluster.names[:2]) as pipe:
         state = pipe.state_dict()
     assert torch.equal(state["0.weight"], real_first.weight) and torch.equal(state["0.bias"], real_first.bias)
     assert torch.equal(state["1.running_mean"], torch.zeros(8)) and torch.equal(state["1.running_var"], torch.ones(8))
