@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["save_model", "load_model", "optimizer_entries", "load_optimizer", "write_part", "merge_parts",
            "read_metadata", "read_entries", "templates", "METADATA"]
@@ -110,7 +109,8 @@ def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 def write_part(directory: str | os.PathLike[str], entries: Mapping[str, Any]) -> Any:
     """Write ``entries`` (nested dicts of tensors and values) as a DCP checkpoint of this process alone;
     returns its ``Metadata``."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # (imported when used: it imports sympy, which a step need not)
+    from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ... a single process": as meant
         try:
@@ -195,6 +195,7 @@ def templates(metadata: Any, keys: Iterable[str]) -> dict[str, Any]:
 def read_entries(path: str | os.PathLike[str], wanted: dict[str, Any]) -> dict[str, Any]:
     """Read the flat keys of ``wanted`` (from :func:`templates`) from the checkpoint, in this process."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     if wanted:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import DistributedOptimizer
 
 from .. import replicas, sharded
 from ..stage_side import sharded as stage_sharded
@@ -119,6 +118,8 @@ def _optimizer_ref(driver: RemoteDriver, optimizer: Any, worker: str) -> tuple[s
     """What worker ``worker`` finds its optimizer by (:mod:`rrefpipe.stage_side.sharded`)."""
     if optimizer is None:
         return None
+    from torch.distributed.optim import DistributedOptimizer  # (imports FSDP and sympy: only when asked)
+
     if isinstance(optimizer, PipeOptimizer):
         if optimizer.closed:
             raise ValueError("the PipeOptimizer is closed: pass the pipe's open optimizer")
@@ -134,7 +135,7 @@ def _optimizer_ref(driver: RemoteDriver, optimizer: Any, worker: str) -> tuple[s
                     f"parameter_rrefs(), got {type(optimizer).__name__}")
 
 
-def _check_regular(optimizer: DistributedOptimizer) -> None:
+def _check_regular(optimizer: Any) -> None:
     from ..optim import _remote_optimizers
     _remote_optimizers(optimizer)  # refuses TorchScript's functional twins, which have no state to save
 
