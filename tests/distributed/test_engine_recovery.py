@@ -69,7 +69,8 @@ class Scenario:
                 pass
             self.kill()
             self.facts = {}
-            for line in self.out_path.read_text().splitlines():
+            for chunk in re.split(r"(?=FACT )", self.out_path.read_text()):  # (a line may lack its newline)
+                line = chunk.splitlines()[0] if chunk else ""
                 if line.startswith("FACT "):
                     _, name, seconds, value = line.split(" ", 3)
                     self.facts[name] = json.loads(value)
