@@ -8,6 +8,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,19 @@ def cluster() -> Iterator[object]:
         _cluster_pids.clear()  # they are stopped now, not lost
         workers.close()
     assert not [pid for pid in pids if pid_alive(pid)], "stage workers outlived the session"
+
+
+def free_urls(count: int) -> list[str]:
+    """``count`` distinct free rendezvous addresses: each port is held until all are chosen (one port chosen
+    twice put two scenarios on one store, whose client then failed to validate: "Connection reset by peer")."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,7 +8,6 @@ Worker-side functions: tests/distributed/engine_probes.py."""
 from __future__ import annotations
 
 import copy
-import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.optim import DistributedOptimizer
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_urls
 from tests.distributed import engine_probes as probes
 
 pytestmark = pytest.mark.timeout(60)
@@ -322,19 +321,6 @@ def test_a_backward_started_on_the_last_stages_worker_leaves_the_plain_gradients
     torch.testing.assert_close(outcome["loss"], plain_loss.detach())
     assert_gradients(grads, {n: p.grad for n, p in plain.named_parameters()})
     print(f"backward from the last stage's worker {outcome['seconds'] * 1000:.1f} ms")
-
-
-def free_urls(count: int) -> list[str]:
-    """``count`` distinct free rendezvous addresses: each port is held until all are chosen (one port chosen
-    twice put two scenarios on one store, whose client then failed to validate: "Connection reset by peer")."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def test_several_backwards_in_one_context_hang(tmp_path):

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, wait_gone
+from tests.conftest import ROOT, free_urls, wait_gone
 from tests.distributed import recovery_probes as probes
 
 pytestmark = pytest.mark.timeout(180)  # the first test waits for its scenario: up to LIMIT + 10 s
@@ -93,18 +92,6 @@ class Scenario:
 
     def pids(self) -> list[int]:
         return list((self.facts or {}).get("pids", {}).values())
-
-
-def free_urls(count: int) -> list[str]:
-    """``count`` distinct free rendezvous addresses (each port held until all are chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.fixture(scope="module")
