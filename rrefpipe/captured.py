@@ -323,6 +323,10 @@ class CapturedPipeModel:
         return tensors[0] if len(tensors) == 1 else tensors
 
     # -- state dict: the model's keys --------------------------------------------------------------
+    def stage_keys(self) -> list[dict[str, tuple[str, ...]]]:
+        """Per stage, each key of its state dict (``'<j>.graph.<name>'``) to the model's keys for it."""
+        return [{f"{j}.graph.{name}": keys for name, keys in names.items()} for j, names in enumerate(self.state_keys)]
+
     def model_state(self, stage_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The pipe's state dict under the model's keys from the stages' (``'<j>.graph.<name>'``); a tied
         parameter once, from the first stage that holds it, under each of its keys."""

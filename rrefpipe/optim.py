@@ -28,11 +28,10 @@ import cloudpickle
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
-from torch.optim import Optimizer
 
 from . import _rpc
 from .driver_side.pipe_optimizer import PipeOptimizer, StageSchedulers
-from .stage_side.stage_optim import Scheduled, _shapes, _to_cpu
+from .stage_side.stage_optim import Scheduled, _shapes, _to_cpu, distributed_optimizer
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "RemoteLRScheduler",
            "optimizer_state_dict", "load_optimizer_state_dict"]
@@ -95,22 +94,16 @@ def _remote_optimizers(optimizer: DistributedOptimizer) -> list[rpc.RRef]:
     return list(optimizer.remote_optimizers)
 
 
-def _local(optimizer_rref: rpc.RRef) -> tuple[Optimizer, Any]:
-    """The torch.optim optimizer a ``DistributedOptimizer`` keeps on this worker, and the lock its
-    ``step`` takes (``_LocalOptimizer.global_lock``)."""
-    wrapper = optimizer_rref.local_value()
-    return wrapper.optim, type(wrapper).global_lock
-
 
 def _optimizer_state(optimizer_rref: rpc.RRef) -> dict[str, Any]:
-    optimizer, lock = _local(optimizer_rref)
+    optimizer, lock = distributed_optimizer(optimizer_rref)
     with lock:
         return {"state_dict": _to_cpu(optimizer.state_dict()), "shapes": _shapes(optimizer)}
 
 
 def _refusal(optimizer_rref: rpc.RRef, saved: Any) -> str | None:
     """Why ``saved`` does not fit this worker's optimizer, if it does not."""
-    optimizer, _ = _local(optimizer_rref)
+    optimizer, _ = distributed_optimizer(optimizer_rref)
     shapes = saved.get("shapes") if isinstance(saved, dict) else None
     if shapes != _shapes(optimizer):
         return f"the state saved is for parameters of shapes {shapes}, this one's are {_shapes(optimizer)}"
@@ -118,14 +111,14 @@ def _refusal(optimizer_rref: rpc.RRef, saved: Any) -> str | None:
 
 
 def _load_optimizer_state(optimizer_rref: rpc.RRef, saved: dict[str, Any]) -> None:
-    optimizer, lock = _local(optimizer_rref)
+    optimizer, lock = distributed_optimizer(optimizer_rref)
     with lock:
         optimizer.load_state_dict(saved["state_dict"])  # moves the state to the parameters' devices
 
 
 def _new_scheduler(optimizer_rref: rpc.RRef, factory: bytes) -> tuple[rpc.RRef, bool]:
     """The scheduler's RRef, and whether it steps on a metric (refused by the driver)."""
-    scheduled = Scheduled(*_local(optimizer_rref), factory)
+    scheduled = Scheduled(*distributed_optimizer(optimizer_rref), factory)
     return rpc.RRef(scheduled), scheduled.on_metric
 
 

@@ -166,6 +166,9 @@ class Pipe(nn.Module):
         StageError: a stage could not be built on its worker (names the stage and worker).
     """
 
+    _spares: int | list[str] = 0  # (``from_factories`` pipes have none)
+    snapshot_every = 10
+
     def __init__(
         self,
         module: nn.Module,
@@ -281,9 +284,8 @@ class Pipe(nn.Module):
                     aliases[id(tensor)] = (*aliases.get(id(tensor), ()), key)
                 keys.append({key: aliases[id(tensor)] for key, tensor in state.items()})
             return plan_init(init, stages, keys, original, seed)
-        keys = [{f"{j}.graph.{name}": model_keys for name, model_keys in names.items()}
-                for j, names in enumerate(self._captured.state_keys)]
-        return plan_init(init, stages, keys, original, seed, also_expected=list(self._captured.unused))
+        return plan_init(init, stages, self._captured.stage_keys(), original, seed,
+                         also_expected=list(self._captured.unused))
 
     @staticmethod
     def _capture(module: nn.Module, sample: Any, split_points: Sequence[str] | None, balance: Any,
@@ -399,7 +401,7 @@ class Pipe(nn.Module):
         layout, how = placement.worker_layout(self.schedule, n, v)
         named = placement.interleaved_workers(workers, layout, how)
         held = placement.close_abandoned()  # their hold on the embedded workers ends once this pipe has its own
-        spares = getattr(self, "_spares", 0)
+        spares = self._spares
         extra = spares if isinstance(spares, int) else 0
         try:
             workers, self._local_workers = placement.stage_workers(

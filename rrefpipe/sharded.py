@@ -21,24 +21,17 @@ that metadata and reads only its own tensors. (A checkpoint is unpickled when lo
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
-import pickle
-import shutil
-import uuid
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["save_model", "load_model", "optimizer_entries", "load_optimizer", "write_part", "merge_parts",
-           "read_metadata", "read_entries", "templates", "METADATA"]
+from .dcp_parts import merge_parts, read_entries, read_metadata, replacing, templates, under, write_part
 
-METADATA = ".metadata"
+__all__ = ["save_model", "load_model", "optimizer_entries", "load_optimizer", "optimizer_keys", "extras", "load_extras"]
 
 
 # -- the format -------------------------------------------------------------------------------------
@@ -105,113 +98,6 @@ def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-# -- DCP: one part per process, one metadata for the whole --------------------------------------------
-def write_part(directory: str | os.PathLike[str], entries: Mapping[str, Any]) -> Any:
-    """Write ``entries`` (nested dicts of tensors and values) as a DCP checkpoint of this process alone;
-    returns its ``Metadata``."""
-    import torch.distributed.checkpoint as dcp  # (imported when used: it imports sympy, which a step need not)
-    from torch.distributed.checkpoint.api import CheckpointException
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... a single process": as meant
-        try:
-            return dcp.save(dict(entries), storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
-        except CheckpointException as exc:  # (a BaseException: say what failed as an ordinary error)
-            raise OSError(f"cannot write the checkpoint part {os.fspath(directory)!r}: {exc}") from None
-
-
-def merge_parts(path: str | os.PathLike[str], parts: Sequence[tuple[str, Any]]) -> None:
-    """Write ``path``'s ``.metadata``: the parts' (``(subdirectory, Metadata)``), their files named from
-    ``path``. A key several parts hold (a tied parameter saved by two workers) is read from the first."""
-    if not parts:
-        raise ValueError("nothing to merge")
-    state_md: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner: dict[str, Any] = {}
-    owner: dict[str, str] = {}
-    for sub, md in parts:
-        for key, entry in md.state_dict_metadata.items():
-            state_md.setdefault(key, entry)
-            owner.setdefault(key, sub)
-        for index, info in md.storage_data.items():
-            if owner.get(index.fqn) == sub:
-                storage[index] = dataclasses.replace(info, relative_path=f"{sub}/{info.relative_path}")
-        planner.update(md.planner_data or {})
-    merged = dataclasses.replace(parts[0][1], state_dict_metadata=state_md, storage_data=storage, planner_data=planner)
-    target = Path(path) / METADATA
-    temporary = target.with_name(METADATA + ".tmp")
-    with open(temporary, "wb") as f:
-        pickle.dump(merged, f)
-        f.flush()
-        os.fsync(f.fileno())
-    temporary.replace(target)
-
-
-@contextlib.contextmanager
-def replacing(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A new directory beside ``path`` to write a checkpoint into; once the block ends without error it
-    becomes ``path`` (an earlier checkpoint there is removed only then), otherwise it is removed: a save
-    that fails half-way leaves the earlier checkpoint whole."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    fresh = target.with_name(f".{target.name}.writing-{tag}")
-    fresh.mkdir()
-    try:
-        yield fresh
-    except BaseException:
-        shutil.rmtree(fresh, ignore_errors=True)
-        raise
-    old = target.with_name(f".{target.name}.old-{tag}")
-    if target.exists():
-        target.rename(old)
-    fresh.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def read_metadata(path: str | os.PathLike[str]) -> Any:
-    """The checkpoint's DCP ``Metadata``; ``ValueError`` naming the path if there is none."""
-    from torch.distributed.checkpoint import FileSystemReader
-    if not (Path(path) / METADATA).is_file():
-        raise ValueError(f"{os.fspath(path)!r} is not a DCP checkpoint (no {METADATA} in it)"
-                         if Path(path).is_dir() else f"no checkpoint at {os.fspath(path)!r}")
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:
-        raise ValueError(f"cannot read the checkpoint {os.fspath(path)!r}: {type(exc).__name__}: {exc}") from None
-
-
-def templates(metadata: Any, keys: Iterable[str]) -> dict[str, Any]:
-    """What :func:`read_entries` fills for ``keys``: an empty tensor of the stored shape and dtype, or None
-    for a value."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    out: dict[str, Any] = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata[key]
-        out[key] = (torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-                    if isinstance(entry, TensorStorageMetadata) else None)
-    return out
-
-
-def read_entries(path: str | os.PathLike[str], wanted: dict[str, Any]) -> dict[str, Any]:
-    """Read the flat keys of ``wanted`` (from :func:`templates`) from the checkpoint, in this process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    if wanted:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
-            except (Exception, CheckpointException) as exc:  # (DCP's is a BaseException)
-                raise ValueError(f"cannot read the checkpoint {os.fspath(path)!r}: {type(exc).__name__}: "
-                                 f"{exc}") from None
-    return wanted
-
-
-def under(metadata: Any, prefix: str) -> list[str]:
-    """The checkpoint's keys that begin with ``prefix``."""
-    return [key for key in metadata.state_dict_metadata if key.startswith(prefix)]
-
-
 # -- a plain model, in one process ----------------------------------------------------------------------
 def save_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
                lr_scheduler: Any = None, step: int | None = None) -> None:
@@ -220,7 +106,7 @@ def save_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
     entries: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         entries["optim"] = optimizer_entries(optimizer, _param_names(model))
-    entries.update(_extras(lr_scheduler, step))
+    entries.update(extras(lr_scheduler, step))
     with replacing(path) as fresh:
         merge_parts(fresh, [("process", write_part(fresh / "process", entries))])
 
@@ -237,12 +123,11 @@ def load_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
     stored = {key[len("model."):] for key in under(metadata, "model.")}
     if strict:  # named as load_state_dict names them, before anything is read
         resolve(DCPCheckpoint(Path(path)), [{k: (k,) for k in state}],
-                {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in state.items()})
+                [{k: TensorMeta.of(v) for k, v in state.items()}])
     wanted = templates(metadata, (f"model.{k}" for k in state if k in stored))
     keys: list[str] = []
     if optimizer is not None:
-        names = set(_param_names(model).values())
-        keys = [k for k in under(metadata, "optim.") if _param_of(k[len("optim."):], names) is not None]
+        keys = optimizer_keys(metadata, set(_param_names(model).values()))
         wanted.update(templates(metadata, keys))
     read = read_entries(path, wanted)
     if optimizer is not None:  # first: what it refuses leaves the weights as they were
@@ -253,6 +138,11 @@ def load_model(path: str | os.PathLike[str], model: nn.Module, *, optimizer: tor
 
 def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
+
+
+def optimizer_keys(metadata: Any, params: set[str]) -> list[str]:
+    """The checkpoint's ``optim.`` keys of the parameters named ``params``: what an optimizer over them reads."""
+    return [key for key in under(metadata, "optim.") if _param_of(key[len("optim."):], params) is not None]
 
 
 def _param_of(key: str, names: set[str]) -> str | None:
@@ -267,7 +157,7 @@ def _param_of(key: str, names: set[str]) -> str | None:
     return None
 
 
-def _extras(lr_scheduler: Any, step: int | None) -> dict[str, Any]:
+def extras(lr_scheduler: Any, step: int | None) -> dict[str, Any]:
     """The scheduler's state (the first of a ``RemoteLRScheduler``'s, every one of which steps alike) and
     the step."""
     entries: dict[str, Any] = {}

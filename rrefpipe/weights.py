@@ -24,15 +24,16 @@ import contextlib
 import json
 import os
 import re
-import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+from . import dcp_parts
 
 __all__ = ["meta_parameters", "TensorMeta", "WeightSource", "SafetensorsFiles", "TorchFile", "DCPCheckpoint", "InMemory", "Initializer",
            "Reset", "open_source", "InitSpec", "resolve"]
@@ -69,10 +70,14 @@ def meta_parameters() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """A stored tensor's shape and dtype, as the storage's header says."""
+    """A tensor's shape and dtype (a stored one's, as the storage's header says)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorMeta:
+        return cls(tuple(tensor.shape), tensor.dtype)
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -101,34 +106,49 @@ class WeightSource:
         return self
 
 
-def _error(source: WeightSource, exc: BaseException) -> ValueError:
-    return ValueError(f"cannot read {source.describe()}: {type(exc).__name__}: {exc}")
+_F = TypeVar("_F", bound="_Files")
 
 
-class SafetensorsFiles(WeightSource):
-    """A safetensors file, or shards named by an index (``{"weight_map": {key: file}}``)."""
+class _Files(WeightSource):
+    """Tensors in a file, or in shards an index names (``{"weight_map": {key: file}}``; ``files``: key ->
+    shard, empty for one file, ``where``)."""
 
     def __init__(self, files: Mapping[str, Path], where: Path) -> None:
-        self.files = {key: Path(path) for key, path in files.items()}  # key -> file; None: read the headers
+        self.files = {key: Path(path) for key, path in files.items()}
         self.where = where
 
     @classmethod
-    def single(cls, path: Path) -> SafetensorsFiles:
+    def single(cls: type[_F], path: Path) -> _F:
         return cls({}, path)
 
     @classmethod
-    def indexed(cls, index: Path) -> SafetensorsFiles:
+    def indexed(cls: type[_F], index: Path) -> _F:
+        """The shards a Hugging Face index file (``*.index.json``) names, beside it."""
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read the index {index}: {type(exc).__name__}: {exc}") from None
         return cls({key: index.parent / name for key, name in weight_map.items()}, index)
 
-    def describe(self) -> str:
-        return f"the safetensors {'shards of ' if self.files else 'file '}{self.where}"
-
     def _paths(self) -> list[Path]:
         return sorted(set(self.files.values())) if self.files else [self.where]
+
+    def _by_file(self, keys: Mapping[str, str]) -> dict[Path, list[str]]:
+        """The model keys of ``keys`` (model key -> stored key) grouped by the file that holds them."""
+        by_file: dict[Path, list[str]] = {}
+        for model_key, stored in keys.items():
+            by_file.setdefault(self.files.get(stored, self.where), []).append(model_key)
+        return by_file
+
+    def _unreadable(self, path: Path, exc: BaseException) -> ValueError:
+        return ValueError(f"cannot read {path} (in {self.describe()}): {type(exc).__name__}: {exc}")
+
+
+class SafetensorsFiles(_Files):
+    """A safetensors file, or shards named by an index."""
+
+    def describe(self) -> str:
+        return f"the safetensors {'shards of ' if self.files else 'file '}{self.where}"
 
     def catalog(self) -> dict[str, TensorMeta]:
         safe_open = _safetensors()
@@ -141,7 +161,7 @@ class SafetensorsFiles(WeightSource):
                         found[key] = TensorMeta(tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(),
                                                                                                   torch.uint8))
             except Exception as exc:  # a missing or truncated file: safetensors' own error types
-                raise ValueError(f"cannot read {path} (in {self.describe()}): {type(exc).__name__}: {exc}") from None
+                raise self._unreadable(path, exc) from None
         stray = [key for key, path in self.files.items() if key not in found]
         if stray:
             raise ValueError(f"{self.describe()} names {stray[:5]} in its index, which its files do not hold")
@@ -149,17 +169,14 @@ class SafetensorsFiles(WeightSource):
 
     def read(self, keys: Mapping[str, str], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
         safe_open = _safetensors()
-        by_file: dict[Path, list[str]] = {}
-        for model_key, stored in keys.items():
-            by_file.setdefault(self.files.get(stored, self.where), []).append(model_key)
         out: dict[str, Tensor] = {}
-        for path, wanted in by_file.items():
+        for path, wanted in self._by_file(keys).items():
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for model_key in wanted:
                         out[model_key] = f.get_tensor(keys[model_key])
             except Exception as exc:
-                raise ValueError(f"cannot read {path} (in {self.describe()}): {type(exc).__name__}: {exc}") from None
+                raise self._unreadable(path, exc) from None
         return out
 
 
@@ -171,13 +188,9 @@ def _safetensors() -> Any:
     return safe_open
 
 
-class TorchFile(WeightSource):
+class TorchFile(_Files):
     """A ``torch.save``'d state dict (or Hugging Face ``pytorch_model*.bin`` shards), memory-mapped: a
     worker's reads touch only its tensors' pages."""
-
-    def __init__(self, files: Mapping[str, Path], where: Path) -> None:
-        self.files = {key: Path(path) for key, path in files.items()}
-        self.where = where
 
     def describe(self) -> str:
         return f"the torch.save file{'s of ' if self.files else ' '}{self.where}"
@@ -186,24 +199,21 @@ class TorchFile(WeightSource):
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as exc:
-            raise ValueError(f"cannot read {path} (in {self.describe()}): {type(exc).__name__}: {exc}") from None
+            raise self._unreadable(path, exc) from None
         if not isinstance(state, Mapping):
             raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict")
         return state
 
     def catalog(self) -> dict[str, TensorMeta]:
         found: dict[str, TensorMeta] = {}
-        for path in sorted(set(self.files.values())) if self.files else [self.where]:
+        for path in self._paths():
             found.update((k, TensorMeta(tuple(v.shape), v.dtype)) for k, v in self._open(path).items()
                          if isinstance(v, Tensor))
         return found
 
     def read(self, keys: Mapping[str, str], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for model_key, stored in keys.items():
-            by_file.setdefault(self.files.get(stored, self.where), []).append(model_key)
         out: dict[str, Tensor] = {}
-        for path, wanted in by_file.items():
+        for path, wanted in self._by_file(keys).items():
             state = self._open(path)
             out.update((model_key, state[keys[model_key]]) for model_key in wanted)
         return out
@@ -219,35 +229,23 @@ class DCPCheckpoint(WeightSource):
     def describe(self) -> str:
         return f"the DCP checkpoint {self.path}"
 
-    def metadata(self) -> Any:
-        from torch.distributed.checkpoint import FileSystemReader
-        try:
-            return FileSystemReader(str(self.path)).read_metadata()
-        except Exception as exc:
-            raise _error(self, exc) from None
-
-    def catalog(self) -> dict[str, TensorMeta]:
+    def _tensors(self) -> tuple[str, dict[str, Any]]:
+        """The prefix the model's keys are stored under (``'model.'`` or none), and its tensors' entries."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-        entries = {key: m for key, m in self.metadata().state_dict_metadata.items()
+        entries = {key: m for key, m in dcp_parts.read_metadata(self.path).state_dict_metadata.items()
                    if isinstance(m, TensorStorageMetadata)}
         model = {key[len("model."):]: m for key, m in entries.items() if key.startswith("model.")}
-        chosen = model or entries
-        return {key: TensorMeta(tuple(m.size), m.properties.dtype) for key, m in chosen.items()}
+        return ("model.", model) if model else ("", entries)
+
+    def catalog(self) -> dict[str, TensorMeta]:
+        return {key: TensorMeta(tuple(m.size), m.properties.dtype) for key, m in self._tensors()[1].items()}
 
     def read(self, keys: Mapping[str, str], like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-        prefixed = any(k.startswith("model.") for k in self.metadata().state_dict_metadata)
-        wanted = {("model." if prefixed else "") + stored: torch.empty(like[model_key].shape,
-                                                                       dtype=like[model_key].dtype)
+        prefix = self._tensors()[0]
+        wanted = {prefix + stored: torch.empty(like[model_key].shape, dtype=like[model_key].dtype)
                   for model_key, stored in keys.items()}
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "torch.distributed is disabled...": one process, as meant
-                dcp.load(wanted, checkpoint_id=str(self.path), no_dist=True)
-        except (Exception, CheckpointException) as exc:  # (DCP's is a BaseException)
-            raise _error(self, exc) from None
-        return {model_key: wanted[("model." if prefixed else "") + stored] for model_key, stored in keys.items()}
+        read = dcp_parts.read_entries(self.path, wanted)
+        return {model_key: read[prefix + stored] for model_key, stored in keys.items()}
 
 
 class InMemory(WeightSource):
@@ -355,8 +353,8 @@ def open_source(init: InitSpec) -> WeightSource:
         if path.is_dir():
             for name, make in (("model.safetensors.index.json", SafetensorsFiles.indexed),
                                ("model.safetensors", SafetensorsFiles.single),
-                               ("pytorch_model.bin.index.json", _torch_indexed),
-                               ("pytorch_model.bin", lambda p: TorchFile({}, p))):
+                               ("pytorch_model.bin.index.json", TorchFile.indexed),
+                               ("pytorch_model.bin", TorchFile.single)):
                 if (path / name).exists():
                     return make(path / name)
             if (path / ".metadata").exists():
@@ -366,28 +364,26 @@ def open_source(init: InitSpec) -> WeightSource:
         if not path.exists():
             raise ValueError(f"init={str(init)!r}: no such file or directory")
         if path.name.endswith(".index.json"):
-            return SafetensorsFiles.indexed(path) if ".safetensors" in path.name else _torch_indexed(path)
-        return SafetensorsFiles.single(path) if path.suffix == ".safetensors" else TorchFile({}, path)
+            return SafetensorsFiles.indexed(path) if ".safetensors" in path.name else TorchFile.indexed(path)
+        return SafetensorsFiles.single(path) if path.suffix == ".safetensors" else TorchFile.single(path)
     if callable(init):
         return Initializer(init)
     raise TypeError(f"init= takes a path, a mapping of tensors, a callable or None, got {type(init).__name__}")
 
 
-def _torch_indexed(index: Path) -> TorchFile:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"cannot read the index {index}: {type(exc).__name__}: {exc}") from None
-    return TorchFile({key: index.parent / name for key, name in weight_map.items()}, index)
-
-
-def resolve(source: WeightSource, wanted: Sequence[StageKeys], shapes: Mapping[str, TensorMeta], base: str = "",
-            also_expected: Sequence[str] = (), ignored: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
+def resolve(source: WeightSource, wanted: Sequence[StageKeys], stage_shapes: Sequence[Mapping[str, TensorMeta]],
+            base: str = "", also_expected: Sequence[str] = (), ignored: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
     """Each wanted model key -> (model key, stored key), checked against the source's catalog when it has
-    one: missing and unexpected keys, then shapes and dtypes (``shapes``: the model's, by model key), named
-    as ``load_state_dict`` would. ``base``: a prefix the source may have left out (Hugging Face's);
-    ``ignored``: patterns of stored keys that are not unexpected (Hugging Face's
-    ``_keys_to_ignore_on_load_unexpected``, such as old GPT-2 checkpoints' attention masks)."""
+    one: missing and unexpected keys, then shapes and dtypes, named as ``load_state_dict`` would.
+    ``wanted``: per stage, its state-dict keys to the model's; ``stage_shapes``: per stage, each of its keys'
+    shape and dtype. ``base``: a prefix the source may have left out (Hugging Face's); ``ignored``: patterns
+    of stored keys that are not unexpected (Hugging Face's ``_keys_to_ignore_on_load_unexpected``, such as
+    old GPT-2 checkpoints' attention masks)."""
+    shapes: dict[str, TensorMeta] = {}  # the model's, by model key
+    for stage_wanted, stage_shape in zip(wanted, stage_shapes):
+        for name, model_keys in stage_wanted.items():
+            for key in model_keys:
+                shapes.setdefault(key, stage_shape[name])
     catalog = source.catalog()
     if catalog is None:  # read on the worker, which checks what it got
         return {key: (key, key) for key in shapes}

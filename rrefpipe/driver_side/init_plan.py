@@ -38,14 +38,10 @@ def plan_init(init: InitSpec, stages: Sequence[nn.Module], keys: Sequence[StageK
         source: WeightSource = Reset(reset_owners(model, canonical), seed)
     else:
         source = open_source(init)
-    likes: dict[str, TensorMeta] = {}
-    for stage, stage_wanted in zip(stages, wanted):
-        state = stage.state_dict(keep_vars=True)
-        for name, model_keys in stage_wanted.items():
-            for key in model_keys:
-                likes.setdefault(key, TensorMeta(tuple(state[name].shape), state[name].dtype))
+    stage_shapes = [{name: TensorMeta.of(t) for name, t in stage.state_dict(keep_vars=True).items()}
+                    for stage in stages]
     ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-    stored = resolve(source, wanted, likes, _base_prefix(model), also_expected,
+    stored = resolve(source, wanted, stage_shapes, _base_prefix(model), also_expected,
                      ignored=[p for p in ignored if isinstance(p, str)])
     plans: list[StageInit | None] = []
     for stage, stage_wanted in zip(stages, wanted):

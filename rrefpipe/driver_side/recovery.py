@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from .. import _rpc
-from ..errors import StageError, WorkerError, warn_user
+from ..errors import StageError, warn_user
 from ..stage_side import snapshots
 from . import pipe_optimizer
 from .remote import RemoteDriver
@@ -282,7 +282,3 @@ def _note(exc: BaseException, text: str) -> None:
     if hasattr(exc, "add_note"):  # (Python 3.11+; shown under the message)
         exc.add_note(text)
 
-
-def recoverable(exc: BaseException) -> bool:
-    """Whether ``exc`` may come from a lost worker (the guard then pings to know)."""
-    return isinstance(exc, (StageError, WorkerError, RuntimeError))

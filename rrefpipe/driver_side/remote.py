@@ -150,12 +150,8 @@ class RemoteDriver:
                 # cloudpickle sends classes and factories defined in the user's script by value: a
                 # worker cannot import the driver's __main__.
                 self.infos.append(self._call(spec.index, server.create_stage, self.pipe_id, _pickled(spec, workers)))
-            skips = [(info.stashes, info.pops) for info in self.infos]
-            verify_stage_skips(skips)  # stages built from factories: nothing checked the whole model
-            routes = route(skips)
-            for j, stage_routes in enumerate(routes):
-                self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, deliver, keep_phony,
-                           reported=False)
+            verify_stage_skips([(info.stashes, info.pops) for info in self.infos])  # factories: nothing checked them
+            self._connect()
             if replicas.current() is not None:  # one replica of several: all must start as one model
                 replicas.check_same(self._summary())
                 self._call_per_worker(self.pipe_id, self.workers, control.take_first_replica_state)
@@ -167,6 +163,11 @@ class RemoteDriver:
         """The stages were rebuilt (some on other workers, ``driver_side.recovery``): tell every stage where
         the others live now."""
         self.workers, self.infos = list(workers), list(infos)
+        self._connect()
+
+    def _connect(self) -> None:
+        """Tell every stage where the others live, where its skips go and which driver functions take the
+        outputs (``server.connect``)."""
         routes = route([(info.stashes, info.pops) for info in self.infos])
         for j, stage_routes in enumerate(routes):
             self._call(j, server.connect, self.pipe_id, j, self.workers, stage_routes, deliver, keep_phony,

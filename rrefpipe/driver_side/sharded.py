@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .. import replicas, sharded
+from .. import dcp_parts, replicas, sharded
 from ..stage_side import sharded as stage_sharded
 from ..weights import DCPCheckpoint, TensorMeta, resolve
 from .pipe_optimizer import PipeOptimizer
@@ -38,7 +38,7 @@ def save(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
         return
     membership = replicas.current()
     if membership is None or membership.replica == 0:
-        with sharded.replacing(path) as fresh:
+        with dcp_parts.replacing(path) as fresh:
             _write(pipe, driver, fresh, optimizer, lr_scheduler, step)
     if membership is not None:  # no replica goes on (to load it, say) before it is whole
         dist.barrier(group=membership.group)
@@ -47,15 +47,16 @@ def save(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
 def _write(pipe: Pipe, driver: RemoteDriver, path: Path, optimizer: Any, lr_scheduler: Any, step: int | None) -> None:
     workers = list(dict.fromkeys(driver.workers))  # in stage order
     parts = {w: str(path / f"worker-{k}") for k, w in enumerate(workers)}
-    per_worker = {w: (parts[w], _names(pipe), _optimizer_ref(driver, optimizer, w)) for w in workers}
+    names = _names(pipe)
+    per_worker = {w: (parts[w], names, _optimizer_ref(driver, optimizer, w)) for w in workers}
     written = driver.per_worker(stage_sharded.save_part, per_worker=per_worker)
     merged = [(f"worker-{workers.index(w)}", metadata) for w, metadata in written.items()]
-    own: dict[str, Any] = sharded._extras(lr_scheduler, step)
+    own: dict[str, Any] = sharded.extras(lr_scheduler, step)
     if pipe._captured is not None and pipe._captured.unused:
         own["model"] = dict(pipe._captured.unused)
     if own:
-        merged.append(("driver", sharded.write_part(path / "driver", own)))
-    sharded.merge_parts(path, merged)
+        merged.append(("driver", dcp_parts.write_part(path / "driver", own)))
+    dcp_parts.merge_parts(path, merged)
     (path / DESCRIPTION).write_text(json.dumps({
         "format": 1, "written_by": "rrefpipe pipe.save", "stages": len(driver.infos), "balance": pipe.balance,
         "schedule": pipe.schedule, "workers": {f"worker-{k}": w for k, w in enumerate(workers)},
@@ -66,25 +67,21 @@ def load(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
     driver = _remote(pipe)
     if driver is None:
         return sharded.load_model(path, pipe, optimizer=_local_optimizer(optimizer), lr_scheduler=lr_scheduler)
-    metadata = sharded.read_metadata(path)
+    metadata = dcp_parts.read_metadata(path)
     names = _names(pipe)
+    stage_shapes = [{key: TensorMeta(*meta) for key, meta in stage.items()} for stage in driver.state_shapes()]
     wanted: list[dict[str, tuple[str, ...]]] = []
-    shapes: dict[str, TensorMeta] = {}
-    for j, stage in enumerate(driver.state_shapes()):
-        stage_names = names[j]
+    for stage_names, stage in zip(names.values(), stage_shapes):
         keys = {key: (key,) if stage_names is None else stage_names.get(key, ()) for key in stage}
         wanted.append({key: model_keys for key, model_keys in keys.items() if model_keys})
-        for key, model_keys in wanted[-1].items():
-            for model_key in model_keys:
-                shapes.setdefault(model_key, TensorMeta(*stage[key]))
     unused = list(pipe._captured.unused) if pipe._captured is not None else []
-    stored = resolve(DCPCheckpoint(Path(path)), wanted, shapes, also_expected=unused)
+    stored = resolve(DCPCheckpoint(Path(path)), wanted, stage_shapes, also_expected=unused)
     workers = list(dict.fromkeys(driver.workers))
     if optimizer is not None:
         refs = {w: (names, _optimizer_ref(driver, optimizer, w)) for w in workers}
         settings = driver.per_worker(stage_sharded.optimizer_settings, per_worker=refs)
         _check_optimizer(metadata, {name: keys for part in settings.values() for name, keys in part.items()})
-    if lr_scheduler is not None and not sharded.under(metadata, "lr_scheduler."):
+    if lr_scheduler is not None and not dcp_parts.under(metadata, "lr_scheduler."):
         raise ValueError(f"the checkpoint {os.fspath(path)!r} holds no LR scheduler state: it was saved without "
                          "lr_scheduler=")
     per_worker = {}
@@ -96,7 +93,7 @@ def load(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
     driver.per_worker(stage_sharded.load_part, per_worker=per_worker)
     if pipe._captured is not None and unused:
         present = [f"model.{k}" for k in unused if f"model.{k}" in metadata.state_dict_metadata]
-        read = sharded.read_entries(path, sharded.templates(metadata, present))
+        read = dcp_parts.read_entries(path, dcp_parts.templates(metadata, present))
         pipe._captured.unused.update((k[len("model."):], v) for k, v in read.items())
     return sharded.load_extras(path, metadata, lr_scheduler)
 
@@ -110,8 +107,7 @@ def _names(pipe: Pipe) -> dict[int, dict[str, tuple[str, ...]] | None]:
     """Each stage's state-dict keys -> the model's (None: the same, for an ``nn.Sequential``)."""
     if pipe._captured is None:
         return {j: None for j in range(len(pipe.balance))}
-    return {j: {f"{j}.graph.{name}": keys for name, keys in names.items()}
-            for j, names in enumerate(pipe._captured.state_keys)}
+    return dict(enumerate(pipe._captured.stage_keys()))
 
 
 def _optimizer_ref(driver: RemoteDriver, optimizer: Any, worker: str) -> tuple[str, Any] | None:
@@ -152,7 +148,7 @@ def _check_optimizer(metadata: Any, ours: dict[str, list[str]]) -> None:
     in the checkpoint, under the same names: checked before any worker loads (a checkpoint saved without
     an optimizer, or by another class, loads nothing)."""
     saved: dict[str, set[str]] = {}
-    for key in sharded.under(metadata, "optim.param_groups."):
+    for key in dcp_parts.under(metadata, "optim.param_groups."):
         name, _, setting = key[len("optim.param_groups."):].rpartition(".")
         saved.setdefault(name, set()).add(setting)
     for name, settings in ours.items():

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from .. import sharded
+from .. import dcp_parts, sharded
 from . import stage_optim
 from .server import _server
 
@@ -53,21 +53,29 @@ def _optimizers(pipe_id: str, indices: list[int], optimizer: OptimizerRef) -> It
         with stage_optim.lock(pipe_id, ref):
             yield [stage_optim.optimizer(pipe_id, ref, j) for j in indices]
         return
-    wrapper = ref.local_value()  # torch's _LocalOptimizer: the optimizer of this worker's parameters
-    with type(wrapper).global_lock:
-        yield [wrapper.optim]
+    local, lock = stage_optim.distributed_optimizer(ref)
+    with lock:
+        yield [local]
+
+
+@contextlib.contextmanager
+def _held(pipe_id: str, indices: list[int], optimizer: OptimizerRef
+          ) -> Iterator[tuple[list[Any], list[torch.optim.Optimizer]]]:
+    """This worker's servers of the pipe's stages, their pending optimizer writes settled and their stream
+    held, and their optimizers under their lock: what a save reads and a load writes, with nothing running."""
+    servers = [_server(pipe_id, j) for j in indices]
+    for server in servers:
+        server.stream.settle()  # after an optimizer step's writes
+    with contextlib.ExitStack() as held:
+        if servers:
+            held.enter_context(servers[0].stream.running())
+        yield servers, held.enter_context(_optimizers(pipe_id, indices, optimizer))
 
 
 def save_part(pipe_id: str, indices: list[int], directory: str, names: Names, optimizer: OptimizerRef) -> Any:
     """Write this worker's stages (and optimizer state) to ``directory``; returns the DCP metadata."""
     model: dict[str, Tensor] = {}
-    servers = [_server(pipe_id, j) for j in indices]
-    for server in servers:
-        server.stream.settle()  # after an optimizer step's writes
-    with contextlib.ExitStack() as held:
-        for server in servers[:1]:
-            held.enter_context(server.stream.running())
-        optimizers = held.enter_context(_optimizers(pipe_id, indices, optimizer))
+    with _held(pipe_id, indices, optimizer) as (servers, optimizers):
         for j, server in zip(indices, servers):
             for key, value in server.stage.module.state_dict().items():
                 for model_key in _model_keys(names, j, key):
@@ -79,7 +87,7 @@ def save_part(pipe_id: str, indices: list[int], directory: str, names: Names, op
             for opt in optimizers:
                 flat.update(sharded.optimizer_entries(opt, param_names))
             entries["optim"] = flat
-        return sharded.write_part(directory, entries)
+        return dcp_parts.write_part(directory, entries)
 
 
 def optimizer_settings(pipe_id: str, indices: list[int], names: Names, optimizer: OptimizerRef) -> dict[str, list[str]]:
@@ -96,24 +104,17 @@ def load_part(pipe_id: str, indices: list[int], path: str, names: Names, stored:
     """Read this worker's stages (``stored``: model key -> checkpoint key) and their optimizer state from
     the checkpoint at ``path`` into them. Everything is read before anything is written, so a read that
     fails leaves the stages as they were."""
-    metadata = sharded.read_metadata(path)
+    metadata = dcp_parts.read_metadata(path)
     where = f"worker {rpc.get_worker_info().name!r}: "
-    servers = [_server(pipe_id, j) for j in indices]
-    wanted = sharded.templates(metadata, set(stored.values()))
+    wanted = dcp_parts.templates(metadata, set(stored.values()))
     optim_keys: list[str] = []
     param_names: dict[int, str] = {}
     if optimizer is not None:
         param_names = _param_names(pipe_id, indices, names)
-        ours = set(param_names.values())
-        optim_keys = [k for k in sharded.under(metadata, "optim.") if sharded._param_of(k[len("optim."):], ours)]
-        wanted.update(sharded.templates(metadata, optim_keys))
-    read = sharded.read_entries(path, wanted)
-    for server in servers:
-        server.stream.settle()
-    with contextlib.ExitStack() as held:
-        for server in servers[:1]:
-            held.enter_context(server.stream.running())
-        optimizers = held.enter_context(_optimizers(pipe_id, indices, optimizer))
+        optim_keys = sharded.optimizer_keys(metadata, set(param_names.values()))
+        wanted.update(dcp_parts.templates(metadata, optim_keys))
+    read = dcp_parts.read_entries(path, wanted)
+    with _held(pipe_id, indices, optimizer) as (servers, optimizers):
         flat = {k[len("optim."):]: read[k] for k in optim_keys}
         for opt in optimizers:  # checked (and loaded) first: its errors leave the weights untouched
             sharded.load_optimizer(opt, param_names, flat, where)

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from . import server
 
-__all__ = ["optimizer", "schedulers", "lock", "owned_parameters", "Scheduled"]
+__all__ = ["optimizer", "schedulers", "distributed_optimizer", "lock", "owned_parameters", "Scheduled"]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -105,6 +105,13 @@ def schedulers(pipe_id: str, opt_id: int, j: int) -> list[Any]:
 def scheduler(pipe_id: str, opt_id: int, j: int, scheduler_id: int) -> Any:
     """The learning-rate scheduler ``scheduler_id`` built on stage ``j``'s optimizer."""
     return _stage(pipe_id, opt_id, j).schedulers[scheduler_id].scheduler
+
+
+def distributed_optimizer(optimizer_rref: rpc.RRef) -> tuple[Optimizer, Any]:
+    """The torch.optim optimizer a ``DistributedOptimizer`` keeps on this worker (``optimizer_rref``: one of
+    its ``remote_optimizers``), and the lock its ``step`` takes (``_LocalOptimizer.global_lock``)."""
+    wrapper = optimizer_rref.local_value()
+    return wrapper.optim, type(wrapper).global_lock
 
 
 def lock(pipe_id: str, opt_id: int) -> threading.Lock:
