@@ -72,6 +72,18 @@ def wait_all(lab: Lab, procs: Sequence[subprocess.Popen[bytes]], timeout: float)
     return codes
 
 
+def wait_for_output(lab: Lab, name: str, text: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until log ``name`` (written by ``proc``) contains ``text``; fails with every log of the lab if
+    ``proc`` exits first or ``timeout`` passes (polls the log: it is a file)."""
+    deadline = time.monotonic() + timeout
+    while text not in lab.output(name):
+        if proc.poll() is not None and text not in lab.output(name):
+            pytest.fail(f"{name} exited ({proc.returncode}) without printing {text!r}:\n{lab.outputs()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} did not print {text!r} in {timeout}s:\n{lab.outputs()}")
+        time.sleep(0.05)
+
+
 def result_of(lab: Lab, name: str) -> dict[str, Any]:
     """The ``RESULT {json}`` line the check script printed to log ``name``."""
     lines = [line for line in lab.output(name).splitlines() if line.startswith("RESULT ")]
@@ -86,11 +98,13 @@ def worker_cmd(rank: int, world_size: int, master: Host, interface: str) -> list
             "--master-addr", master.addr, "--master-port", MASTER_PORT, "--interface", interface, "--threads", "1"]
 
 
-def torchrun_cmd(host: Host, endpoint: Host, nproc: int, script: Sequence[str], nnodes: int = 2) -> list[str]:
-    """``torchrun`` as a user starts it on each node (c10d rendezvous hosted on ``endpoint``)."""
+def torchrun_cmd(host: Host, endpoint: Host, nproc: int, script: Sequence[str], nnodes: int = 2,
+                 options: Sequence[str] = ()) -> list[str]:
+    """``torchrun`` as a user starts it on each node (c10d rendezvous hosted on ``endpoint``), with more of
+    torchrun's ``options`` if given."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint.addr}:29400", "--rdzv-id", "multihost-test",
-            "--rdzv-conf", f"is_host={int(host == endpoint)}", "--local-addr", host.addr, *script]
+            "--rdzv-conf", f"is_host={int(host == endpoint)}", "--local-addr", host.addr, *options, *script]
 
 
 def traffic(lab: Lab, before: dict[Host, dict[str, int]]) -> dict[Host, dict[str, int]]:

@@ -11,9 +11,9 @@ that exists only inside these namespaces: nothing here sends to any other addres
 ``rate="100mbit"`` puts a token bucket (``tc ... tbf``) on every host's ``lan0``, so everything a host
 sends is shaped. :meth:`Lab.spawn` runs a command in a host **and in a new PID namespace**
 (``unshare --pid --fork --kill-child``): TensorPipe's CMA channel, which copies between the memory of
-processes that see each other, cannot then bypass the link. :meth:`Lab.close` kills every process in the
-hosts (PID-namespace init first, then whatever ``ip netns pids`` still lists), stops the relay and
-deletes the namespaces. If the harness process itself is killed, its children die with it (parent-death
+processes that see each other, cannot then bypass the link. :meth:`Lab.kill` ends one host: every
+process on it SIGKILLed at once. :meth:`Lab.close` kills every process in the hosts (PID-namespace init
+first, then whatever ``ip netns pids`` still lists), stops the relay and deletes the namespaces. If the harness process itself is killed, its children die with it (parent-death
 signal); the namespaces it leaves are removed by :func:`cleanup_stale` on the next run.
 """
 from __future__ import annotations
@@ -222,6 +222,23 @@ class Lab:
                                 stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self._procs.append((name, proc, log))
         return proc
+
+    def pids(self, host: Host) -> list[int]:
+        """The processes running on ``host`` now (those in its network namespace)."""
+        return [int(p) for p in sh("ip", "netns", "pids", host.ns).stdout.split()]
+
+    def kill(self, host: Host) -> list[int]:
+        """The host dies: SIGKILL every process on it at once (its kernel, still up, closes their
+        connections, as for processes killed on a real host). Returns their pids, all gone on return."""
+        pids = self.pids(host)
+        _kill_all_in(host.ns)
+        left = self.pids(host)
+        if left:
+            raise LabError(f"processes {left} of {host.ns} outlived SIGKILL")
+        for _, proc, _ in self._procs:
+            if proc.pid in pids:
+                proc.wait(timeout=5)  # (reaped: spawn's own child is the host's first process)
+        return pids
 
     def counters(self, host: Host) -> dict[str, int]:
         """Bytes ``host``'s ``lan0`` has received and sent so far."""
