@@ -7,9 +7,11 @@ Why this design (measured in ``docs/engine-notes-recovery.md``): torch's RPC gro
 SIGKILLed member, but calls to the live workers, new distributed-autograd contexts that avoid the dead
 one and a stage built on an idle spare all work, with exact gradients; no error names the dead worker,
 so the driver finds it by pinging; a dynamic group cannot take a new process once a member died, so
-spares are started with the pipe. A snapshot is taken every ``snapshot_every`` updates, between steps,
-each stage sending its own straight to the holder (the first free spare), which commits a generation
-only once every stage's arrived: a failure while one is taken leaves the previous one whole.
+spares are started with the pipe. A snapshot is taken every ``snapshot_every`` updates, between steps:
+each stage copies its state and sends the copy straight to the holder (the first free spare) while the
+next step runs; the holder commits a generation only once every stage's part arrived, and a recovery
+goes back to the generation committed there (a failure while one is in transit leaves the previous one
+whole, and the driver keeps the batches since the committed one).
 """
 from __future__ import annotations
 
@@ -57,6 +59,16 @@ class Recovery:
     cause: str
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A snapshot taken, whose parts are on their way to the holder."""
+
+    generation: int
+    updates: int
+    tag: Any
+    arrived: Any  # a torch Future of the holder's ``snapshots.committed``
+
+
 class Guard:
     """Snapshots and recovery for one pipe with spares (see the module's docstring)."""
 
@@ -75,39 +87,98 @@ class Guard:
         self.failed = False  # workers were lost and the pipe could not recover
         self.tag: Any = None  # the committed snapshot's (``pipe.snapshot(tag)``)
         self._warmed: set[int] = set()  # optimizers whose class the spares have built once
+        self._generation = 0  # the committed snapshot's generation on the holder (0: none)
+        self._pending: _Pending | None = None  # a snapshot taken, still in transit to the holder
+        self._taken: int | None = None  # the update count of the last snapshot taken
+        self.transfer_seconds: list[float] = []  # from a snapshot's start to all of it on the holder
 
     # -- snapshots ------------------------------------------------------------------------------------------
     def _optimizers(self) -> dict[int, list[int]]:
         return {opt.id: list(opt.schedulers) for opt in pipe_optimizer.owned(self.driver)}
 
     def snapshot(self, tag: Any = None, required: bool = False) -> None:
-        """Every stage's state now, kept on the holder (committed once all arrived); ``tag`` is what
-        :meth:`restore` returns for it. Without a holder (no spare left) nothing is taken, or, ``required``
-        (``pipe.snapshot``), a RuntimeError says so."""
+        """Every stage's state now, sent to the holder (committed once all arrived); ``tag`` is what
+        :meth:`restore` returns for it. Returns once every stage has taken its copy: the transfer goes on
+        while the next step runs. Without a holder (no spare left) nothing is taken, or,
+        ``required`` (``pipe.snapshot``, which waits), a RuntimeError says so. The first on a holder waits
+        too: until it arrives there is nothing to go back to."""
         if self.holder is None:
             if required:
                 raise RuntimeError("no spare worker is left to hold a snapshot (each took the stages of a lost worker, "
                                    "or died): this pipe can no longer recover")
             return
+        self._settle()  # the previous one (long arrived, normally)
         started = time.perf_counter()
         self.generation += 1
         optimizers = self._optimizers()
         self._warm()
-        calls = [(j, rpc.rpc_async(w, snapshots.push, args=(self.driver.pipe_id, j, self.holder, self.generation,
-                                                               optimizers, self.driver.rpc_timeout),
-                                   timeout=self.driver.rpc_timeout)) for j, w in enumerate(self.driver.workers)]
+        driver, n = self.driver, len(self.driver.workers)
+        calls = [(j, rpc.rpc_async(w, snapshots.push, args=(driver.pipe_id, j, self.holder, self.generation, n,
+                                                               optimizers, driver.rpc_timeout),
+                                   timeout=driver.rpc_timeout)) for j, w in enumerate(driver.workers)]
         for j, call in calls:
             try:
                 _rpc.wait(call)
             except Exception as exc:
-                raise self.driver._control_failure(j, snapshots.push, exc) from exc
-        self.snapshot_bytes = rpc.rpc_sync(self.holder, snapshots.commit,
-                                           args=(self.driver.pipe_id, self.generation, len(self.driver.workers)),
-                                           timeout=self.driver.rpc_timeout)
-        self.committed = self.updates
-        self.tag = tag
-        self.since.clear()
+                raise driver._control_failure(j, snapshots.push, exc) from exc
+        arrived = rpc.rpc_async(self.holder, snapshots.committed, args=(driver.pipe_id, self.generation),
+                                timeout=driver.rpc_timeout)
+        self._pending = _Pending(self.generation, self.updates, tag, arrived)
+        self._taken = self.updates
         self.snapshot_seconds.append(time.perf_counter() - started)
+        arrived.then(lambda _: self.transfer_seconds.append(time.perf_counter() - started))
+        if required or self.committed is None:  # (with nothing committed, nothing to go back to)
+            self._settle()
+
+    def start(self) -> None:
+        """A stream starts: a snapshot of the state before its first update, unless one is kept already."""
+        if self._taken is None:
+            self.snapshot()
+
+    def _settle(self) -> None:
+        """Wait for the snapshot in transit to be committed on the holder, and make it the one to go back to
+        (raises what its transfer raised)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._commit(pending, _rpc.wait(pending.arrived))
+
+    def _commit(self, pending: _Pending, size: int | None) -> None:
+        """``pending`` is committed on the holder: the batches before it need no replay."""
+        after = self.updates - pending.updates
+        self.since = self.since[len(self.since) - after:] if after else []
+        self.committed, self.tag = pending.updates, pending.tag
+        self._generation = pending.generation
+        if size is not None:
+            self.snapshot_bytes = size
+
+    def _poll(self) -> None:
+        """Commit the snapshot in transit if it has arrived (without waiting). If its transfer failed
+        because the holder died, the snapshots go to another spare and one is due at once; otherwise the
+        committed one stays (a stage that died surfaces in the next step)."""
+        pending = self._pending
+        if pending is None or not pending.arrived.done():
+            return
+        self._pending = None
+        try:
+            size = pending.arrived.wait()
+        except Exception:
+            if self.holder is not None and self.dead([self.holder]):
+                self._lose_holder()
+            return
+        self._commit(pending, size)
+
+    def _restoring(self) -> None:
+        """A recovery starts: the holder gives up the snapshot in transit unless all of it arrived, and the
+        generation it keeps is the one to go back to."""
+        assert self.holder is not None
+        generation = rpc.rpc_sync(self.holder, snapshots.restoring, args=(self.driver.pipe_id,),
+                                  timeout=self.driver.rpc_timeout)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.generation == generation:
+            self._commit(pending, None)
+        elif generation != self._generation:
+            raise RuntimeError(f"the holder {self.holder!r} keeps snapshot {generation} of the pipe, and the driver "
+                               f"expected {self._generation}")
 
     def _warm(self) -> None:
         """Build each new optimizer class once on every spare (see ``snapshots.warm``)."""
@@ -124,10 +195,11 @@ class Guard:
         """One more update applied everywhere (``batch`` made it)."""
         self.updates += 1
         self.since.append(batch)
+        self._poll()
 
     def due(self) -> bool:
-        """Whether a snapshot is due (every ``every`` updates, and when none is committed)."""
-        return self.holder is not None and (self.committed is None or self.updates - self.committed >= self.every)
+        """Whether a snapshot is due (every ``every`` updates, and when none is committed or in transit)."""
+        return self.holder is not None and (self._taken is None or self.updates - self._taken >= self.every)
 
     # -- recovery -------------------------------------------------------------------------------------------
     def dead(self, workers: Sequence[str]) -> list[str]:
@@ -159,6 +231,8 @@ class Guard:
                 self.snapshot()
                 return
             raise exc
+        if holder is not None and holder not in lost:
+            self._restoring()
         why = self._cannot(lost, lost_stages)
         if why:
             self.failed = True
@@ -182,11 +256,13 @@ class Guard:
         """``pipe.recover()``: every stage back to the last snapshot (``pipe.snapshot(tag)``'s), the stages
         of dead workers on spares; returns that snapshot's tag."""
         started = time.perf_counter()
-        if self.committed is None or self.holder is None:
+        if self.committed is None and self._pending is None or self.holder is None:
             raise RuntimeError("no snapshot to recover from: take one with pipe.snapshot(tag) (a pipe with spares= "
-                               "keeps the last one on a spare)" if self.committed is None else
+                               "keeps the last one on a spare)" if self.holder is not None else
                                "the spare that held the snapshots is lost, and no spare is left to hold them")
         lost, lost_stages = self._lost()
+        if self.holder not in lost:
+            self._restoring()
         why = self._cannot(lost, lost_stages)
         if why:
             raise RuntimeError(why)
@@ -258,7 +334,7 @@ class Guard:
         gone = self.dead(candidates) if candidates else []
         self.spares = [s for s in self.spares if s not in gone]
         self.holder = next((s for s in candidates if s not in gone), None)
-        self.committed = None
+        self.committed, self._generation, self._pending, self._taken = None, 0, None, None
         if self.holder is None:
             warn_user(f"no spare worker is left to hold the pipe's snapshots (the last, {old!r}, "
                       f"{'now serves stages' if old in self.driver.workers else 'is lost'}): the pipe goes on, but a "

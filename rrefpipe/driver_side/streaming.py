@@ -352,8 +352,7 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
             raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
                             f"a {type(optimizer).__name__} (a DistributedOptimizer holds RRefs to the lost worker's "
                             "parameters)")
-        if guard.committed is None:
-            guard.snapshot()  # the state before the stream's first update
+        guard.start()
 
     def step(batch: tuple[Any, Any]) -> Tensor:
         with dist_autograd.context() as context_id:

@@ -479,7 +479,11 @@ def has_stages(pipe_id: str) -> bool:
 def create_stage(pipe_id: str, payload: bytes) -> StageInfo:
     """Build a stage from its pickled :class:`StageSpec` (cloudpickle, see the driver). This process is
     a stage worker from now on: its optimizers drop their gradients after each step."""
-    spec = pickle.loads(payload)
+    return build_stage(pipe_id, pickle.loads(payload))
+
+
+def build_stage(pipe_id: str, spec: StageSpec) -> StageInfo:
+    """Build a stage from its :class:`StageSpec` (:func:`create_stage`; a rebuild from a snapshot)."""
     gradients.drop_after_optimizer_steps()
     server = StageServer(pipe_id, spec)
     with _registry_lock:

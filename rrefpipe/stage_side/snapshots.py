@@ -3,21 +3,27 @@ with spares recover from a dead stage worker (the driver's side: :mod:`rrefpipe.
 
 A stage's snapshot is everything that makes it what it is after an update: its layers with their
 weights and buffers, how it was built (its :class:`~rrefpipe.stage_side.server.StageSpec`), the state
-of each of the pipe's optimizers on it and of their schedulers, and its worker's random state. The
-stage's worker pickles it and sends it straight to the *holder* (a spare worker), which keeps two
-generations per stage: the one being taken, and the last one every stage finished (``commit``). A
-rebuild sends the committed snapshot from the holder to the stage's new worker (or builds it on the
-holder itself), so no weight passes through the driver.
+of each of the pipe's optimizers on it and of their schedulers, and its worker's random state. It
+travels in two parts: its structure, pickled with every tensor replaced by a reference to its storage,
+and those storages, copied, as tensors beside it. RPC sends tensors without pickling their data, so
+the stage's worker only pickles the structure and copies the storages (what the next update waits
+for), and TensorPipe's threads send the copies to the *holder* (a spare worker) while the next step
+runs. The holder keeps two generations per stage: the one arriving, and the last one every stage's
+part reached (committed on the last arrival). A rebuild sends the committed snapshot from the holder
+to the stage's new worker (or builds it on the holder itself), so no weight passes through the driver.
 """
 from __future__ import annotations
 
+import io
+import pickle
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed.rpc as rpc
+from torch import Tensor, nn
 from torch.futures import Future
 
 from . import server, stage_optim
@@ -27,17 +33,8 @@ __all__: list[str] = []
 
 _DEFAULT_TIMEOUT = 120.0
 
-
-@dataclass
-class _Kept:
-    """One stage's snapshots on the holder: the committed one, and one being taken."""
-
-    committed: tuple[int, bytes] | None = None  # (generation, pickled snapshot)
-    pending: tuple[int, bytes] | None = None
-
-
-_kept: dict[tuple[str, int], _Kept] = {}  # (pipe id, stage) -> its snapshots, on the holder
-_lock = threading.Lock()
+#: A stage's snapshot in transit or kept: its pickled structure and the storages it refers to.
+Part = tuple[bytes, list[Tensor]]
 
 
 def alive() -> bool:
@@ -53,9 +50,64 @@ def warm(payloads: list[bytes]) -> None:
         cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
 
 
+# -- a snapshot's two parts ------------------------------------------------------------------------------
+class _Splitter(cloudpickle.CloudPickler):
+    """Pickles an object with each dense tensor replaced by (its storage's index, its view of it), and
+    copies each storage once to the host: tied parameters and views stay tied."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.storages: list[Tensor] = []
+        self._index: dict[tuple[int, str, int], int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if (type(obj) not in (Tensor, nn.Parameter) or obj.layout != torch.strided or obj.is_quantized
+                or obj.is_meta):
+            return None  # (pickled as it is)
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), str(obj.device), storage.nbytes())
+        k = self._index.get(key)
+        if k is None:
+            k = self._index[key] = len(self.storages)
+            whole = torch.empty(0, dtype=torch.uint8, device=obj.device).set_(storage)
+            self.storages.append(whole.to("cpu", copy=True))
+        return ("storage", k, obj.dtype, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad,
+                type(obj) is nn.Parameter)
+
+
+def split(obj: Any) -> Part:
+    """``obj`` pickled without its tensors' data, and copies of their storages (see :class:`_Splitter`)."""
+    file = io.BytesIO()
+    pickler = _Splitter(file)
+    pickler.dump(obj)
+    return file.getvalue(), pickler.storages
+
+
+def join(part: Part) -> Any:
+    """The object :func:`split` took apart, its tensors on the host, viewing ``part``'s storages."""
+    structure, storages = part
+    made: dict[Any, Tensor] = {}
+
+    class Joiner(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Tensor:
+            tensor = made.get(pid)
+            if tensor is None:
+                _, k, dtype, offset, size, stride, requires_grad, parameter = pid
+                view = torch.empty(0, dtype=dtype).set_(storages[k].untyped_storage(), offset, size, stride)
+                tensor = nn.Parameter(view, requires_grad) if parameter else view.requires_grad_(requires_grad)
+                made[pid] = tensor
+            return tensor
+
+    return Joiner(io.BytesIO(structure)).load()
+
+
+def nbytes(part: Part) -> int:
+    return len(part[0]) + sum(s.numel() for s in part[1])
+
+
 # -- on the stage's worker -------------------------------------------------------------------------------
-def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> bytes:
-    """Stage ``j``'s snapshot, pickled: spec, layers, optimizers (by id, with their schedulers' states)."""
+def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> Part:
+    """Stage ``j``'s snapshot: spec, layers, optimizers (by id, with their schedulers' states), random state."""
     here = server._server(pipe_id, j)
     here.stream.settle()  # after an optimizer step's writes
     opts: dict[int, tuple[dict[str, Any], dict[int, Any]]] = {}
@@ -65,81 +117,135 @@ def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> bytes:
             schedules = {s: stage_optim.scheduler(pipe_id, opt_id, j, s).state_dict() for s in scheduler_ids}
             opts[opt_id] = (optimizer.state_dict(), schedules)
     with here.stream.running():
-        return cloudpickle.dumps((replace(here.spec, module=None, factory=None, init=None), here.stage.module, opts,
-                                  _random_state(here.stage.device)))
+        return split((replace(here.spec, module=None, factory=None, init=None), here.stage.module, opts,
+                      _random_state(here.stage.device)))
 
 
-def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _random_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-@rpc.functions.async_execution
-def push(pipe_id: str, j: int, holder: str, generation: int, optimizers: dict[int, list[int]],
-         timeout: float = _DEFAULT_TIMEOUT) -> Future[None]:
-    """Take stage ``j``'s snapshot and send it to ``holder``, worker to worker (never blocks an RPC thread)."""
-    payload = _state(pipe_id, j, optimizers)
-    return rpc.rpc_async(holder, keep, args=(pipe_id, j, generation, payload), timeout=timeout)
+def push(pipe_id: str, j: int, holder: str, generation: int, stages: int, optimizers: dict[int, list[int]],
+         timeout: float = _DEFAULT_TIMEOUT) -> None:
+    """Take stage ``j``'s snapshot and start sending it to ``holder``, worker to worker; returns once it is
+    taken (the stage may go on: what is sent is a copy)."""
+    structure, storages = _state(pipe_id, j, optimizers)
+    rpc.rpc_async(holder, keep, args=(pipe_id, j, generation, stages, structure, storages), timeout=timeout)
 
 
 # -- on the holder -----------------------------------------------------------------------------------------
-def keep(pipe_id: str, j: int, generation: int, payload: bytes) -> None:
-    with _lock:
-        _kept.setdefault((pipe_id, j), _Kept()).pending = (generation, payload)
+@dataclass
+class _Held:
+    """One pipe's snapshots on the holder."""
+
+    committed: dict[int, tuple[int, Part]] = field(default_factory=dict)  # stage -> (generation, part)
+    arriving: dict[int, tuple[int, Part]] = field(default_factory=dict)
+    generation: int = 0  # the committed generation (0: none)
+    abandoned: int = 0  # parts of generations up to this one are late: a recovery went back past them
+    waiting: dict[int, list[Future[int]]] = field(default_factory=dict)  # generation -> its commit's waiters
+
+    def bytes(self) -> int:
+        return sum(nbytes(part) for _, part in self.committed.values())
 
 
-def commit(pipe_id: str, generation: int, stages: int) -> int:
-    """Every stage's snapshot of ``generation`` arrived: it replaces the committed one. Returns the bytes
-    the holder keeps for the pipe."""
+_held: dict[str, _Held] = {}  # pipe id -> its snapshots, on the holder
+_lock = threading.Lock()
+
+
+def keep(pipe_id: str, j: int, generation: int, stages: int, structure: bytes, storages: list[Tensor]) -> None:
+    """Stage ``j``'s part of ``generation``; the last of the ``stages`` parts to arrive commits it."""
     with _lock:
-        kept = [_kept.get((pipe_id, j)) for j in range(stages)]
-        if any(k is None or k.pending is None or k.pending[0] != generation for k in kept):
-            raise RuntimeError(f"snapshot {generation} of pipe {pipe_id!r} is incomplete on "
-                               f"{rpc.get_worker_info().name!r}")
-        for k in kept:
-            assert k is not None
-            k.committed, k.pending = k.pending, None
-        return sum(len(k.committed[1]) for k in kept if k is not None and k.committed is not None)
+        held = _held.setdefault(pipe_id, _Held())
+        if generation <= max(held.abandoned, held.generation):
+            return  # late: a recovery gave this generation up, or a later one is committed
+        held.arriving[j] = (generation, (structure, storages))
+        if len(held.arriving) < stages or any(g != generation for g, _ in held.arriving.values()):
+            return
+        held.committed, held.arriving, held.generation = held.arriving, {}, generation
+        done = [g for g in held.waiting if g <= generation]
+        waiters = [w for g in done for w in held.waiting.pop(g)]
+        size = held.bytes()
+    for waiter in waiters:
+        waiter.set_result(size)
+
+
+@rpc.functions.async_execution
+def committed(pipe_id: str, generation: int) -> Future[int]:
+    """Completes once ``generation`` (or a later one) is committed, with the bytes the holder keeps for
+    the pipe; fails if a recovery gives it up first."""
+    waiter: Future[int] = Future()
+    with _lock:
+        held = _held.setdefault(pipe_id, _Held())
+        if held.generation >= generation:
+            waiter.set_result(held.bytes())
+        elif generation <= held.abandoned:
+            waiter.set_exception(_given_up(pipe_id, held.generation))
+        else:
+            held.waiting.setdefault(generation, []).append(waiter)
+    return waiter
+
+
+def restoring(pipe_id: str) -> int:
+    """A recovery starts: the generation arriving is given up (its late parts will be dropped), and the
+    committed one, which every stage goes back to, is returned (0: none)."""
+    with _lock:
+        held = _held.setdefault(pipe_id, _Held())
+        late = [g for g, _ in held.arriving.values()] + list(held.waiting)
+        held.abandoned = max([held.abandoned, *late])
+        held.arriving = {}
+        waiters = [w for ws in held.waiting.values() for w in ws]
+        held.waiting = {}
+        generation = held.generation
+    for waiter in waiters:
+        waiter.set_exception(_given_up(pipe_id, generation))
+    return generation
+
+
+def _given_up(pipe_id: str, generation: int) -> Any:  # (Any: torch's stubs type the exception as the result)
+    return RuntimeError(f"a snapshot of pipe {pipe_id!r} in transit was given up: a recovery went back to "
+                        f"generation {generation}")
 
 
 def drop(pipe_id: str) -> None:
     """Forget the pipe's snapshots (the pipe closed)."""
     with _lock:
-        for key in [key for key in _kept if key[0] == pipe_id]:
-            del _kept[key]
+        _held.pop(pipe_id, None)
 
 
 @rpc.functions.async_execution
 def send(pipe_id: str, j: int, to: str, timeout: float = _DEFAULT_TIMEOUT) -> Future[tuple[int, StageInfo]]:
     """Rebuild stage ``j`` on worker ``to`` from the committed snapshot (here, when ``to`` is the holder)."""
     with _lock:
-        kept = _kept.get((pipe_id, j))
-        committed = kept.committed if kept is not None else None
-    if committed is None:
+        held = _held.get(pipe_id)
+        kept = held.committed.get(j) if held is not None else None
+    if kept is None:
         raise LookupError(f"no committed snapshot of stage {j} of pipe {pipe_id!r} on {rpc.get_worker_info().name!r}")
-    generation, payload = committed
-    if to == rpc.get_worker_info().name:
+    generation, (structure, storages) = kept
+    if to == rpc.get_worker_info().name:  # (the stage trains its tensors in place: not the kept ones)
         done: Future[tuple[int, StageInfo]] = Future()
-        done.set_result((generation, rebuild(pipe_id, payload)))
+        done.set_result((generation, rebuild(pipe_id, structure, [s.clone() for s in storages])))
         return done
-    return rpc.rpc_async(to, _rebuild_remote, args=(pipe_id, generation, payload), timeout=timeout)
+    return rpc.rpc_async(to, _rebuild_remote, args=(pipe_id, generation, structure, storages), timeout=timeout)
 
 
-def _rebuild_remote(pipe_id: str, generation: int, payload: bytes) -> tuple[int, StageInfo]:
-    return generation, rebuild(pipe_id, payload)
+def _rebuild_remote(pipe_id: str, generation: int, structure: bytes, storages: list[Tensor]
+                    ) -> tuple[int, StageInfo]:
+    return generation, rebuild(pipe_id, structure, storages)
 
 
 # -- on the stage's (new) worker -------------------------------------------------------------------------
 _restored: dict[tuple[str, int], tuple[dict[int, Any], tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
 
-def rebuild(pipe_id: str, payload: bytes) -> StageInfo:
-    """Build the stage of a snapshot here, replacing the stage of that index if this worker has it; its
-    optimizers' and random states wait for :func:`restore_optimizers` (after ``connect``)."""
-    spec, module, opts, rng = cloudpickle.loads(payload)
+def rebuild(pipe_id: str, structure: bytes, storages: list[Tensor]) -> StageInfo:
+    """Build the stage of a snapshot here (its storages are this worker's to keep), replacing the stage of
+    that index if this worker has it; its optimizers' and random states wait for :func:`restore_optimizers`
+    (after ``connect``)."""
+    spec, module, opts, rng = join((structure, storages))
     spec.module = module
     server.discard_stage(pipe_id, spec.index)
-    info = server.create_stage(pipe_id, cloudpickle.dumps(spec))
+    info = server.build_stage(pipe_id, spec)
     with _lock:
         _restored[(pipe_id, spec.index)] = (opts, rng)
     return info
