@@ -30,11 +30,13 @@ F.cross_entropy, opt)`` everywhere.
    snapshot is taken inside the step that makes the k-th update). A pipe's **step time** in a round is the
    window's time over W (the snapshots amortised); ``/base`` is its pooled time per step (all rounds) over
    ``base``'s, beside it the geometric mean of the rounds' ratios and its standard error (``+-``). The
-   snapshot's time is ``pipe._guard.snapshot_seconds`` (every stage pickling its layers, optimizer and
-   random state and sending it worker to worker to the holder, then the commit; taken on the driver; the
-   first, outside any stream's window, left out), its size ``pipe._guard.snapshot_bytes`` (what the holder
-   keeps per pipe: every stage's pickled snapshot). ``pred`` = median snapshot time / (k x base step): what
-   the snapshots alone should add.
+   snapshot's time is ``pipe._guard.snapshot_seconds``: what the next step waits for (every stage pickling
+   its structure without tensor data and copying its tensors' storages; taken on the driver; the first,
+   outside any stream's window, left out); ``xfer`` is ``pipe._guard.transfer_seconds``, from the start of
+   a snapshot until all of it is on the holder (TensorPipe sends the copies while the next step runs); its
+   size is ``pipe._guard.snapshot_bytes`` (what the holder keeps per pipe). ``pred`` = 1 + median snapshot
+   time / (k x base step): what the snapshots' waits alone should add (the transfer's share of the cores is
+   not in it).
 
 2. **Time to recover.** ``--kill-repeats`` (2) trials of each scenario, alternating, each on a fresh pipe
    (``spares=[the next pool worker]``, ``snapshot_every=--snapshot-every`` k) whose stage workers are the
@@ -49,9 +51,9 @@ F.cross_entropy, opt)`` everywhere.
    the rest of ``recover`` without the snapshot it re-takes (``resnap``, only when another spare is left)
    and the replayed batches (``replay``); ``retry``, the failed batch run again; ``rec.s`` is
    ``pipe.recoveries[-1].seconds`` (from the error to the end of the replay). Detection = surface + ping.
-   ``xfer``, the state's transfer time on loopback, is the pipe's median snapshot time (the first, taken
-   before any update and without AdamW's state, left out): the same bytes the rebuild sends from the holder
-   to every stage's worker. Most of ``rebuild`` on these small models is the spare's first
+   ``xfer``, the state's transfer time on loopback, is the pipe's median snapshot transfer time (the first,
+   taken before any update and without AdamW's state, left out): the same bytes the rebuild sends from the
+   holder to every stage's worker. Most of ``rebuild`` on these small models is the spare's first
    ``torch.optim`` optimizer, which imports ``torch._dynamo`` (0.8-2 s on 2 busy cores); ``--warm-spares``
    imports it on every spare before anything is measured, to show the recovery without it. Target: kill -> step <= 2 s + xfer where nothing
    is replayed, and kill -> step - replay <= 2 s + xfer where k - 1 batches are.
@@ -320,8 +322,8 @@ def steady_state(model: nn.Module, pool: Pool, args: argparse.Namespace) -> dict
             rounds.append(row)
             log(f"steady round {r}: " + ", ".join(f"{k} {v['step_s'] * 1e3:.1f} ms" for k, v in row["pipes"].items())
                 + f" (load {row['loadavg_start']})")
-        snaps = {key: (list(pipes[key][0]._guard.snapshot_seconds), pipes[key][0]._guard.snapshot_bytes)
-                 for key, k in spec.items() if k is not None}
+        snaps = {key: (list(pipes[key][0]._guard.snapshot_seconds), pipes[key][0]._guard.snapshot_bytes,
+                       list(pipes[key][0]._guard.transfer_seconds)) for key, k in spec.items() if k is not None}
     finally:
         for pipe, _ in pipes.values():
             pipe.close()
@@ -333,9 +335,10 @@ def steady_state(model: nn.Module, pool: Pool, args: argparse.Namespace) -> dict
         row = {"spares": 0 if k is None else 1, "snapshot_every": k, "window": windows[key],
                "step_s": spread(steps), "pooled_step_s": pooled}
         if k is not None:
-            seconds, nbytes = snaps[key]
+            seconds, nbytes, transfers = snaps[key]
             row["snapshot"] = {"seconds": quantiles(seconds[1:]), "first_s": seconds[0] if seconds else None,
-                               "count": len(seconds), "bytes": nbytes, "bytes_over_weights": nbytes / weight_bytes}
+                               "transfer": quantiles(transfers[1:]), "count": len(seconds), "bytes": nbytes,
+                               "bytes_over_weights": nbytes / weight_bytes}
         out["pipes"][key] = row
     base = out["pipes"][BASE]["pooled_step_s"]
     for key, row in out["pipes"].items():
@@ -376,7 +379,8 @@ def recovery_trial(model: nn.Module, pool: Pool, args: argparse.Namespace, scena
         records = pipe.recoveries
         row = breakdown(t_kill, t_step, times.events, records[-1] if records else None)
         gaps = [b - a for a, b in zip(stamps[2:], stamps[3:])] + [b - a for a, b in zip(after, after[1:])]
-        xfer = statistics.median(snapshots[1:] or snapshots)  # (the first, before any update, has no AdamW state)
+        transfers = list(pipe._guard.transfer_seconds)
+        xfer = statistics.median(transfers[1:] or transfers)  # (the first, before any update, has no AdamW state)
         row.update(scenario=scenario, victim=victim, spare=spare[0], stage=args.kill_stage, updates_before=before,
                    expected_replayed=k - 1 if scenario == "k-1" else 0, step_s=statistics.median(gaps) if gaps else None,
                    snapshot_s=snapshots, xfer_s=xfer, snapshot_bytes=pipe._guard.snapshot_bytes, loadavg=load,
@@ -500,6 +504,7 @@ def soak(model: nn.Module, pool: Pool, args: argparse.Namespace, reference: tupl
         final_workers = list(pipe._driver.workers)
         recoveries = len(pipe.recoveries)
         snapshot_s = list(pipe._guard.snapshot_seconds)
+        transfer_s = list(pipe._guard.transfer_seconds)
         snapshot_bytes = pipe._guard.snapshot_bytes
     finally:
         pipe.close()
@@ -515,7 +520,7 @@ def soak(model: nn.Module, pool: Pool, args: argparse.Namespace, reference: tupl
     return {"steps": len(losses), "kill_every": args.kill_every, "spares": spares, "snapshot_every": k,
             "plan": plan, "kills": kills, "recoveries": recoveries, "final_workers": final_workers,
             "wall_s": wall, "step_s": wall / max(1, len(losses)), "snapshot_s": quantiles(snapshot_s),
-            "snapshot_bytes": snapshot_bytes, "samples": samples,
+            "transfer_s": quantiles(transfer_s), "snapshot_bytes": snapshot_bytes, "samples": samples,
             "rss": flatness(samples, args.rss_tolerance_mib * MIB), "exact": exact, "mismatch": mismatch,
             "max_weight_diff": weight_diff, "max_loss_diff": loss_diff, "reference_s": ref_s,
             "losses": losses}
@@ -641,10 +646,11 @@ def print_steady(result: dict[str, Any]) -> None:
     st = result["steady"]
     print(f"\nSteady state: train_stream step time (a window of W batches after {WARMUP}, snapshots amortised), "
           f"{len(st['rounds'])} round(s): median [min-max] of the rounds; /base = pooled over base's, rounds = "
-          "geometric mean of the rounds' ratios +- s.e.; snapshot = pipe._guard.snapshot_seconds (median [p10-p90]), "
-          "held = snapshot_bytes (x weights); pred = 1 + snapshot / (k x base step)")
+          "geometric mean of the rounds' ratios +- s.e.; snapshot = pipe._guard.snapshot_seconds, what the next step "
+          "waits for (median [p10-p90]); xfer = pipe._guard.transfer_seconds, until all of it is on the holder "
+          "(median), while the next step runs; held = snapshot_bytes (x weights); pred = 1 + snapshot / (k x base step)")
     print(f"  {'pipe':<8} {'spares':>6} {'every':>5} {'W':>3} | {'step ms':>18} | {'/base':>6} {'rounds':>13} | "
-          f"{'snapshot ms':>16} {'n':>3} {'held MiB':>9} {'x w':>5} | {'pred':>5}")
+          f"{'snapshot ms':>16} {'xfer':>5} {'n':>3} {'held MiB':>9} {'x w':>5} | {'pred':>5}")
     for key, row in st["pipes"].items():
         s = row["step_s"]
         step = f"{s['median'] * 1e3:.1f} [{s['min'] * 1e3:.0f}-{s['max'] * 1e3:.0f}]"
@@ -656,14 +662,15 @@ def print_steady(result: dict[str, Any]) -> None:
         if snap and snap["seconds"]:
             q = snap["seconds"]
             sn = f"{q['median'] * 1e3:.0f} [{q['p10'] * 1e3:.0f}-{q['p90'] * 1e3:.0f}]"
+            xfer = _ms((snap.get("transfer") or {}).get("median"))
             held = f"{snap['bytes'] / MIB:9.1f} {snap['bytes_over_weights']:5.2f}"
             count = snap["count"]
         else:
-            sn, held, count = "-", f"{'-':>9} {'-':>5}", "-"
+            sn, xfer, held, count = "-", "-", f"{'-':>9} {'-':>5}", "-"
         pred = f"{ratio['predicted']:.3f}" if ratio and "predicted" in ratio else "-"
         every = row["snapshot_every"] or "-"
         print(f"  {key:<8} {row['spares']:>6} {every:>5} {row['window']:>3} | {step:>18} | {rr:>6} {rd:>13} | "
-              f"{sn:>16} {count:>3} {held} | {pred:>5}")
+              f"{sn:>16} {xfer:>5} {count:>3} {held} | {pred:>5}")
 
 
 def print_recovery(result: dict[str, Any]) -> None:
@@ -673,7 +680,7 @@ def print_recovery(result: dict[str, Any]) -> None:
           f"snapshot_every={k}; kill->step = perf_counter before os.kill to the next loss; surface = kill to "
           "Guard.recover called; ping = Guard.dead; detect = surface + ping; rebuild = the rest of recover less "
           "resnap and replay; retry = the failed batch again; rec.s = pipe.recoveries[-1].seconds; xfer = the "
-          "pipe's median snapshot time; bar = 2 + xfer, against kill->step less replay")
+          "pipe's median snapshot transfer time (pipe._guard.transfer_seconds); bar = 2 + xfer, against kill->step less replay")
     print(f"  {'replay':>6} {'victim':>8} {'spare':>8} {'n':>2} | {'kill->step':>10} {'surface':>7} {'ping':>5} "
           f"{'detect':>6} {'rebuild':>7} {'resnap':>6} {'replay':>6} {'retry':>5} | {'rec.s':>5} {'step':>5} "
           f"{'xfer':>5} {'bar':>5} {'ok':>3} | load")
@@ -695,7 +702,8 @@ def print_soak(result: dict[str, Any]) -> None:
     sk = result["soak"]
     print(f"\nSoak: {sk['steps']} steps, a stage worker killed after updates {sk['plan']}, spares={len(sk['spares'])}, "
           f"snapshot_every={sk['snapshot_every']}; {sk['wall_s']:.1f} s ({sk['step_s'] * 1e3:.0f} ms per step with "
-          f"the recoveries); snapshot {_ms((sk['snapshot_s'] or {}).get('median'))} ms median, "
+          f"the recoveries); snapshot {_ms((sk['snapshot_s'] or {}).get('median'))} ms median (the step's wait), "
+          f"transfer {_ms((sk.get('transfer_s') or {}).get('median'))} ms, "
           f"{sk['snapshot_bytes'] / MIB:.1f} MiB held")
     print(f"  {'after':>5} {'stage':>5} {'victim':>8} -> {'spare':>8} {'rep':>3} | {'kill->step':>10} {'detect':>6} "
           f"{'rebuild':>7} {'resnap':>6} {'replay':>6} {'rec.s':>5} | load")
