@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.nn.modules
 
-__all__ = ["StageError", "WorkerError"]
+__all__ = ["StageError", "WorkerError", "ReplicaLost", "ReplicasDropped"]
 
 
 class StageError(RuntimeError):
@@ -81,6 +81,29 @@ _ERRNO_NAMES = "|".join(sorted({*errno.errorcode.values(), "EOF"}))
 _TRANSPORT = re.compile(rf"^\s*(?:(?:{_ERRNO_NAMES}): |pipe closed)|\(this error originated at tensorpipe/|{_TIMEOUT}")
 #: How torch reports an exception that the remote function raised: the worker answered, so it is alive.
 _REMOTE_EXCEPTION = "On WorkerInfo("
+
+
+class ReplicaLost(RuntimeError):
+    """On the driver of a replica that lost a process, in a job that goes on without it
+    (``workers.torchrun_group(replicas=R, on_replica_loss="continue")``): this replica is out of the job
+    and its driver should leave (its stage workers are stopped when the ``with`` block ends); the other
+    replicas go on. ``replica`` (numbered as at launch), ``gone`` (the job's processes that did not
+    answer), ``step`` (the steps averaged over every replica before the one that failed)."""
+
+    def __init__(self, message: str, replica: int, gone: tuple[str, ...], step: int) -> None:
+        super().__init__(message)
+        self.replica, self.gone, self.step = replica, gone, step
+
+
+class ReplicasDropped(RuntimeError):
+    """Raised by ``train_step`` on a surviving replica's driver, once the replicas' groups were rebuilt
+    without the lost ones (``on_replica_loss="continue"``): the step failed and nothing of it was applied;
+    run it again in a new distributed-autograd context (``train_stream`` does), and it is averaged over the
+    live replicas only. ``loss``: what happened (a :class:`rrefpipe.replicas.ReplicaLoss`)."""
+
+    def __init__(self, message: str, loss: Any) -> None:
+        super().__init__(message)
+        self.loss = loss
 
 
 def is_transport_error(exc: BaseException | str) -> bool:

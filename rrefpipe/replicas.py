@@ -11,19 +11,33 @@ one per parameter), then takes replica 0's buffers (BatchNorm's running statisti
 buffers, and the drivers compare their pipes. Why not DDP: its reducer runs inside a backward, which
 ``Pipe.train_step`` does not run in distributed autograd (see :mod:`rrefpipe.stage_side.scheduled`), and its forward
 runs collectives, which would tie every forward (evaluation too) of every replica together.
+
+With ``torchrun_group(replicas=R, on_replica_loss="continue")`` a replica that lost a process is dropped:
+the survivors' drivers have every live process of theirs :func:`rebuild` its group without the lost
+replicas (:mod:`rrefpipe.driver_side.replica_recovery`). A rebuilt group is a ``ProcessGroupGloo`` made over
+a prefix of the job's store, not ``dist.new_group``: the latter needs the job's default group (broken, a
+member is dead) or, with ``use_local_synchronization``, names the group from each process's count of groups,
+which differs between drivers, stage workers and spares (docs/engine-notes-recovery.md, "Replicas").
 """
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Membership", "join", "current", "average_gradients", "broadcast_from_first", "end_step", "check_same",
-           "unreachable"]
+__all__ = ["Membership", "ReplicaLoss", "join", "current", "average_gradients", "broadcast_from_first", "end_step",
+           "check_same", "unreachable", "rebuild", "barrier", "losses", "ON_LOSS"]
+
+#: What a job of replicas does when one loses a process: ``"stop"`` (every replica's step fails, naming
+#: what is gone) or ``"continue"`` (the others drop it and go on, see :func:`rebuild`).
+ON_LOSS = ("stop", "continue")
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,48 @@ class Membership:
     names: list[str]  # their RPC names, by replica
     timeout: float  # seconds a collective waits for the other replicas
     job: tuple[str, ...] = ()  # the RPC names of every rank of the job: who to ask when a collective fails
+    job_replicas: tuple[int, ...] = ()  # the replica of every rank of the job (by rank): who a lost process takes
+    live: tuple[int, ...] = ()  # the replicas in the group (by their number at launch); () for all of them
+    generation: int = 0  # how many times the group was rebuilt without lost replicas
+    on_loss: str = "stop"  # ``torchrun_group(on_replica_loss=)``
+
+    @property
+    def live_replicas(self) -> tuple[int, ...]:
+        """The replicas in the group now, by their number at launch (all of them until one was dropped)."""
+        return self.live or tuple(range(self.replicas))
+
+    @property
+    def first(self) -> bool:
+        """Whether this process is of the first live replica: the one whose buffers the others take, and
+        which writes a checkpoint (replica 0 until it is dropped)."""
+        return self.replica == self.live_replicas[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.live_replicas.index(self.replica)]
+
+
+@dataclass(frozen=True)
+class ReplicaLoss:
+    """One time the replicas went on without some of them (``on_replica_loss="continue"``), as this
+    driver saw it: ``lost`` replicas (numbered as at launch), the job's processes that did not answer
+    (``gone``), the replicas that go on (``live``), ``step``: how many steps had been averaged over every
+    replica (the step that failed is the next one, run again by the survivors alone), and what each lost
+    replica's driver reported, where it was alive to (``reported``: replica -> its account)."""
+
+    lost: tuple[int, ...]
+    gone: tuple[str, ...]
+    live: tuple[int, ...]
+    step: int
+    seconds: float
+    reported: dict[int, str]
 
 
 _membership: Membership | None = None
+_lock = threading.RLock()  # a process's collectives between replicas and a rebuild of its group never overlap
+_retired: list[Any] = []  # groups replaced by a rebuild, kept: a group's destructor waits for its collectives
+losses: list[ReplicaLoss] = []  # on a driver: every loss of replicas it went on from, oldest first
 
 
 def join(membership: Membership) -> None:
@@ -73,27 +126,40 @@ def average_gradients(grads: Sequence[Tensor | None], rows: int, like: Sequence[
 def broadcast_from_first(tensors: Sequence[Tensor]) -> None:
     """Overwrite ``tensors`` in place with replica 0's."""
     m = _require()
-    _flat_collective(list(tensors), lambda flat: dist.broadcast(flat, m.ranks[0], group=m.group))
+    # (group_src: a rebuilt group is not in c10d's registry, which ``src``, a global rank, is looked up in)
+    _flat_collective(list(tensors), lambda flat: dist.broadcast(flat, group_src=0, group=m.group))
 
 
 def end_step(params: Sequence[Tensor], grads: Sequence[Tensor | None], rows: int,
-             buffers: Sequence[Tensor]) -> list[Tensor | None]:
+             buffers: Sequence[Tensor], generation: int | None = None) -> list[Tensor | None]:
     """What a stage worker does at the end of a step: its gradients averaged over the replicas (see
     :func:`average_gradients`), and replica 0's buffers taken. A failure names the job's processes that
-    do not answer (dead, or stuck in a layer), where the collective's own error names none."""
-    try:
-        averaged = average_gradients(grads, rows, params)
-        if buffers:
-            broadcast_from_first(buffers)
-    except Exception as exc:
+    do not answer (dead, or stuck in a layer), where the collective's own error names none.
+
+    ``generation``: the group's generation the driver planned the step for; a step planned before the group
+    was rebuilt (one called off, whose thread only gets here now) fails instead of joining the new group's
+    collectives, which belong to the survivors' next steps."""
+    with _lock:
         m = _require()
+        if generation is not None and generation != m.generation:
+            raise RuntimeError(f"this step was planned for the replicas' group of generation {generation}, and the "
+                               f"group is now of generation {m.generation} (replicas {list(m.live_replicas)})")
+        try:
+            averaged = average_gradients(grads, rows, params)
+            if buffers:
+                broadcast_from_first(buffers)
+        except Exception as exc:
+            failed: Exception | None = exc
+        else:
+            failed = None
+    if failed is not None:  # (the pings outside the lock: a rebuild need not wait for them)
         gone = unreachable()
         who = (f"{', '.join(repr(name) for name in gone)} of the job {'is' if len(gone) == 1 else 'are'} gone or "
                "do not answer" if gone else "every process of the job answers: a replica may have run fewer steps "
                "(out of data?) or stopped training")
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        first_line = str(failed).splitlines()[0] if str(failed) else ""
         raise RuntimeError(f"averaging gradients with the other replicas ({', '.join(m.names)}) failed: {who} "
-                           f"({type(exc).__name__}: {first_line})") from exc
+                           f"({type(failed).__name__}: {first_line})") from failed
     return averaged
 
 
@@ -140,6 +206,68 @@ def check_same(summary: list[str]) -> None:
             raise ValueError(f"the replicas built different pipes: every replica must build the same model with "
                              f"the same stages and settings (their gradients are averaged stage by stage). First "
                              f"difference:\n  {diff}")
+
+
+def barrier() -> None:
+    """Wait until every replica's process of this group gets here (an all-reduce of one number: a rebuilt
+    group is not in c10d's registry, which ``dist.barrier`` looks groups up in)."""
+    m = _require()
+    with _lock:
+        dist.all_reduce(torch.zeros(1), group=m.group)
+
+
+def rebuild(live: Sequence[int], generation: int) -> None:
+    """Replace this process's group by one of the ``live`` replicas' same processes only (those of the others
+    are lost); called by each survivor's driver for itself and, over RPC, for each of its stage workers.
+    Every live member must call it with the same arguments; it waits for them up to the group's timeout.
+    Calling it again for a generation already built does nothing.
+
+    The new group is a ``ProcessGroupGloo`` over a prefix of the job's store named by the generation and
+    the members' ranks. Measured (docs/engine-notes-recovery.md, "Replicas"): it forms in 10-30 ms when
+    the store's host lives; it cannot form once the store's host is dead. The old group is kept, not
+    destroyed: its destructor would wait for a collective that still waits on a lost peer."""
+    with _lock:
+        m = _require()
+        if generation <= m.generation:
+            return
+        if m.replica not in live:
+            raise RuntimeError(f"replica {m.replica} was asked to rebuild its group without itself (live: {list(live)})")
+        keep = [i for i, r in enumerate(m.live_replicas) if r in live]
+        ranks, names = [m.ranks[i] for i in keep], [m.names[i] for i in keep]
+        prefix = f"rrefpipe/replicas/{generation}/{'-'.join(map(str, ranks))}/"
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, _job_store()), ranks.index(m.rank), len(ranks),
+                                          timedelta(seconds=m.timeout))
+        except Exception as exc:
+            raise RuntimeError(f"{m.names[m.live_replicas.index(m.replica)]} could not form the replicas' group "
+                               f"{names} without the lost replicas within {m.timeout:g} s: the job's store is gone "
+                               f"(its host, the rendezvous host, was lost) or a live replica did not take part "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        _retired.append(m.group)
+        join(replace(m, replicas=len(ranks), group=group, ranks=ranks, names=names, live=tuple(live),
+                     generation=generation))
+
+
+def publish(key: str, value: Any) -> None:
+    """Write ``value`` (JSON) under ``key`` in the job's store (``rrefpipe/replicas/`` in front)."""
+    _job_store().set(f"rrefpipe/replicas/{key}", json.dumps(value))
+
+
+def read(key: str, within: float) -> Any:
+    """What :func:`publish` wrote under ``key``, waiting up to ``within`` seconds; None if nothing."""
+    store = _job_store()
+    full = f"rrefpipe/replicas/{key}"
+    try:
+        store.wait([full], timedelta(seconds=within))
+        return json.loads(store.get(full))
+    except Exception:
+        return None
+
+
+def _job_store() -> Any:
+    """The store of the job's default process group (a private torch function: torch keeps no public
+    handle on it once ``init_process_group`` has made it)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def _require() -> Membership:

@@ -59,6 +59,25 @@ class StageWorkers(list[str]):
         self.spares = list(spares)  # idle workers for ``Pipe(..., spares=stage_workers.spares)``
 
     @property
+    def live(self) -> list[int]:
+        """The replicas still in the job (numbered as at launch): all of them, until a replica lost with
+        ``torchrun_group(on_replica_loss="continue")`` was dropped. Re-shard the data over these if the lost
+        replicas' share is to be trained (``DistributedSampler(num_replicas=len(live),
+        rank=live.index(replica))``)."""
+        from rrefpipe import replicas
+
+        membership = replicas.current()
+        return [self.replica] if membership is None else list(membership.live_replicas)
+
+    @property
+    def losses(self) -> list[Any]:
+        """Each time this driver's job went on without lost replicas (:class:`rrefpipe.replicas.ReplicaLoss`),
+        oldest first."""
+        from rrefpipe import replicas
+
+        return list(replicas.losses)
+
+    @property
     def group(self) -> Any:
         """The drivers' c10d process group (None with one replica): for the drivers' own collectives, such
         as averaging the loss they log (``dist.all_reduce(loss, group=stage_workers.group)``). The job's
@@ -243,6 +262,7 @@ def torchrun_group(
     layout: str = "replica",
     collective_timeout: float | None = None,
     spares: int = 0,
+    on_replica_loss: str = "stop",
 ) -> Iterator[StageWorkers]:
     """Join the job's RPC group. On each driver yield its replica's stage workers; on other ranks serve and exit.
 
@@ -272,9 +292,21 @@ def torchrun_group(
         spares: the job's last ``spares`` ranks serve no stage: the yielded list leaves them out and
             names them in its ``spares``, for ``Pipe(..., workers=stage_workers,
             spares=stage_workers.spares)`` (a stage worker that dies is replaced by one). One replica only.
+        on_replica_loss: with replicas, what the job does when a replica loses a process (its driver or a
+            stage worker: dead, or not answering): ``"stop"`` (default; every replica's next averaging fails,
+            naming what is gone) or ``"continue"``: the lost replica's driver gets a
+            :class:`~rrefpipe.ReplicaLost` and leaves, and the others rebuild their groups without it and run
+            the failed step again averaged over their own rows (``train_stream`` does it; ``train_step``
+            raises :class:`~rrefpipe.ReplicasDropped` for a loop of your own to run the step again). The lost
+            replica's batches are not trained from that step on: its share is yours to give to the others
+            (``stage_workers.live``). Needs the job's store to survive (the rendezvous host, where
+            replica 0's driver runs in a plain launch), and each replica on hosts of its own under torchrun
+            (its agent stops every rank of a host when one exits).
 
     Stage workers call ``os._exit(0)`` after leaving, so nothing after the ``with`` runs there.
     """
+    if on_replica_loss not in ("stop", "continue"):
+        raise ValueError(f"on_replica_loss must be 'stop' or 'continue', got {on_replica_loss!r}")
     group = GroupEnv.from_environ(replicas=replicas, layout=layout)
     if spares and (replicas != 1 or not 0 < spares < len(group.stage_workers)):
         raise ValueError(f"spares={spares} with replicas={replicas} and {len(group.stage_workers)} stage workers: "
@@ -287,7 +319,8 @@ def torchrun_group(
     options = backend_options(num_worker_threads=num_worker_threads, transports=transports, channels=channels,
                               devices=own_devices, device_maps=maps, rpc_timeout=max(rpc_timeout, startup_timeout))
     join = None if group.replicas == 1 else (
-        lambda: _join_replicas(group, _collective_backend(group, devices), collective_timeout or rpc_timeout))
+        lambda: _join_replicas(group, _collective_backend(group, devices), collective_timeout or rpc_timeout,
+                               on_replica_loss))
     if group.name != group.driver:
         serve(name=group.name, rank=group.rank, world_size=group.world_size, options=options, driver=group.driver,
               threads=threads, interop_threads=interop_threads, rpc_timeout=rpc_timeout, after_join=join)
@@ -323,7 +356,7 @@ def _collective_backend(group: GroupEnv, devices: str | Sequence[str] | None) ->
     return "cpu:gloo,cuda:nccl" if len(set(gpus)) == len(gpus) else "gloo"
 
 
-def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
+def _join_replicas(group: GroupEnv, backend: str, timeout: float, on_loss: str = "stop") -> None:
     """On every rank: the job's c10d group, then one group per stage-worker position (stage worker k of
     every replica, which average their gradients) and the drivers' (which compare their pipes). Group
     creation is collective over the whole job, so every rank creates every group, in the same order."""
@@ -339,4 +372,10 @@ def _join_replicas(group: GroupEnv, backend: str, timeout: float) -> None:
     ranks, process_group = groups[position]
     replicas.join(replicas.Membership(replica=replica, replicas=group.replicas, group=process_group, ranks=ranks,
                                       names=[group.name_of(r) for r in ranks], timeout=timeout,
-                                      job=tuple(group.name_of(r) for r in range(group.world_size))))
+                                      job=tuple(group.name_of(r) for r in range(group.world_size)),
+                                      job_replicas=tuple(group.place_of(r)[0] for r in range(group.world_size)),
+                                      on_loss=on_loss))
+    # every rank in: a member of another group returns from new_group without waiting for that group's members,
+    # so a driver could otherwise ask its workers for replica 0's state before they joined theirs (seen with a
+    # replica's ranks started later, on a host of its own)
+    dist.barrier()

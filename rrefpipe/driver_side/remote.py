@@ -36,6 +36,7 @@ from ..skip.layout import route
 from ..skip.skippable import verify_stage_skips
 from ..stage_side.stage import StageInfo, StepMeta
 from ..trace import Event
+from . import replica_recovery
 from .training import run as training_run
 
 __all__: list[str] = []
@@ -109,6 +110,12 @@ def _collector(pipe_id: str, step: int) -> _Collector | None:
 def _send_copy(t: Tensor) -> Tensor:
     # TensorPipe sends a view's whole storage (the input may be a slice of a dataset tensor).
     return t.clone() if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes else t
+
+
+def _generation() -> int | None:
+    """The replicas' group generation a step is planned for (None without replicas)."""
+    membership = replicas.current()
+    return None if membership is None else membership.generation
 
 
 def _ended_contexts(by_context: dict[int, Any], current: int) -> list[int]:
@@ -470,10 +477,22 @@ class RemoteDriver:
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(rows), enabled=training),
                 workers=tuple(self.workers), skip_sources=stashed_at, driver=_rpc.self_name(),
                 timeout=self.rpc_timeout, context_id=context_id, loss_scale=loss_scale, spread=spread,
-                autocast=autocast.capture(), average=average, unaveraged_rows=earlier if average else 0)
+                autocast=autocast.capture(), average=average, unaveraged_rows=earlier if average else 0,
+                replica_generation=_generation())
             p = n // self.stages_per_worker
-            losses = training_run(self.pipe_id, self.workers[:p], plan, microbatch.apply(_send_copy, value),
-                                  microbatch.apply(_send_copy, target), payload, self.rpc_timeout)
+            try:
+                losses = training_run(self.pipe_id, self.workers[:p], plan, microbatch.apply(_send_copy, value),
+                                      microbatch.apply(_send_copy, target), payload, self.rpc_timeout)
+            except Exception as exc:
+                failed: Exception | None = exc
+            else:
+                failed = None
+        if failed is not None:
+            if replicated:  # (outside the pipe's lock: rebuilding the groups waits for the other replicas)
+                replica_recovery.after_failure(failed)
+            raise failed
+        if replicated and average:
+            replica_recovery.step_averaged()
         contexts.trained(context_id, self.pipe_id)
         if replicated and not average:
             self._unaveraged[context_id] = earlier + sum(rows)

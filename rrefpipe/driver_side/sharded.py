@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from .. import dcp_parts, replicas, sharded
 from ..stage_side import sharded as stage_sharded
@@ -37,11 +36,11 @@ def save(pipe: Pipe, path: str | os.PathLike[str], optimizer: Any, lr_scheduler:
         sharded.save_model(path, pipe, optimizer=_local_optimizer(optimizer), lr_scheduler=lr_scheduler, step=step)
         return
     membership = replicas.current()
-    if membership is None or membership.replica == 0:
+    if membership is None or membership.first:  # replica 0, or the first live one once it was dropped
         with dcp_parts.replacing(path) as fresh:
             _write(pipe, driver, fresh, optimizer, lr_scheduler, step)
     if membership is not None:  # no replica goes on (to load it, say) before it is whole
-        dist.barrier(group=membership.group)
+        replicas.barrier()
 
 
 def _write(pipe: Pipe, driver: RemoteDriver, path: Path, optimizer: Any, lr_scheduler: Any, step: int | None) -> None:

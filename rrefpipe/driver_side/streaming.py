@@ -30,7 +30,7 @@ from ..captured import StructuredLoss
 from .remote import _pickled_loss, _send_copy
 from .local import LocalDriver
 from .diagnosis import first_cause
-from ..errors import Failure, StageError
+from ..errors import Failure, ReplicasDropped, StageError
 from ..loss import mean_loss, split_target
 from ..microbatch import TensorOrTensors
 from ..schedule import PipeMareOptions, is_async
@@ -355,9 +355,14 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
         guard.start()
 
     def step(batch: tuple[Any, Any]) -> Tensor:
-        with dist_autograd.context() as context_id:
-            loss = pipe.train_step(context_id, batch[0], batch[1], loss_fn)
-            optimizer.step(context_id)
+        while True:  # (at most once per replica dropped)
+            try:
+                with dist_autograd.context() as context_id:
+                    loss = pipe.train_step(context_id, batch[0], batch[1], loss_fn)
+                    optimizer.step(context_id)
+                break
+            except ReplicasDropped:  # lost replicas were dropped: the batch again, averaged over the live ones
+                continue
         if lr_scheduler is not None:
             lr_scheduler.step()
         return loss

@@ -77,6 +77,7 @@ class StepPlan:
     loss_scale: float = 1.0  # the micro-batch losses' backward is scaled by this (``GradScaler``)
     average: bool = True  # with replicas: average at the end (False under ``Pipe.no_sync()``)
     unaveraged_rows: int = 0  # rows of earlier steps in the context left unaveraged (no_sync): averaged too
+    replica_generation: int | None = None  # with replicas: the group generation the driver planned the step for
     spread: bool = False
     autocast: tuple[AutocastRegion, ...] = ()
 
@@ -419,7 +420,8 @@ class _StepRun:
                 if earlier:
                     stored = dist_autograd.get_gradients(context_id)
                     grads = [_added(stored.get(p), g) for p, g in zip(params, grads)]
-                grads = replicas.end_step(params, grads, sum(self.plan.rows) + self.plan.unaveraged_rows, buffers)
+                grads = replicas.end_step(params, grads, sum(self.plan.rows) + self.plan.unaveraged_rows, buffers,
+                                          generation=self.plan.replica_generation)
                 for srv in self.servers.values():  # one span per stage row of the timeline
                     srv.stage.recorder.add("allreduce", self.plan.step, -1, start, time.time())
                 if earlier:  # the context's gradients become the average
