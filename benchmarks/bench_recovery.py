@@ -67,7 +67,9 @@ F.cross_entropy, opt)`` everywhere.
    snapshots, two generations and the one arriving), every ``--rss-every`` (50) updates, just before each
    kill and at the end; ``flat``:
    for the driver, and for each worker over the samples in which it kept one role (stage j, snapshot
-   holder, idle spare), the last sample minus the first <= max(``--rss-tolerance-mib`` (16), 5%). The same
+   holder, idle spare), from ``--soak-warmup`` updates after it took that role on (a new holder fills up to
+   two generations and the one arriving; a new stage worker, its optimizer's state), the last sample minus
+   the first <= max(``--rss-tolerance-mib`` (16), 5%). The same
    run is computed in plain PyTorch in this process (the same initial weights, batches, micro-batches
    (each loss weighted by its rows, backward per micro-batch) and AdamW, 1 thread) before the workers start;
    the pipe's final ``state_dict()`` against it: ``torch.testing.assert_close(atol=1e-6, rtol=0)`` ->
@@ -441,9 +443,10 @@ def sample(pipe: Any, pool: Pool, spares: Sequence[str], update: int, what: str)
     return {"update": update, "what": what, "loadavg": loadavg(), "processes": procs}
 
 
-def flatness(samples: list[dict[str, Any]], tolerance: int) -> dict[str, Any]:
-    """Per process and role held over two or more samples: the first and last RSS, and whether the growth
-    is within max(tolerance, 5%)."""
+def flatness(samples: list[dict[str, Any]], tolerance: int, settle: int = 0) -> dict[str, Any]:
+    """Per process and role held over two or more samples, from ``settle`` updates after the role began (its
+    warm-up: a new holder fills up to two generations and the one arriving, a new stage worker its
+    optimizer's state): the first and last RSS, and whether the growth is within max(tolerance, 5%)."""
     segments: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for s in samples:
         for name, p in s["processes"].items():
@@ -451,6 +454,9 @@ def flatness(samples: list[dict[str, Any]], tolerance: int) -> dict[str, Any]:
                 segments.setdefault((name, p["role"]), []).append((s["update"], p["rss"]))
     rows = []
     for (name, role), points in segments.items():
+        began = 0 if points[0][0] == samples[0]["update"] else points[0][0]  # (roles of the first sample: at 0)
+        settled = [(u, v) for u, v in points if u >= began + settle]
+        points = settled if len(settled) >= 2 else points
         if len(points) < 2:
             continue
         first, last = points[0][1], points[-1][1]
@@ -521,7 +527,7 @@ def soak(model: nn.Module, pool: Pool, args: argparse.Namespace, reference: tupl
             "plan": plan, "kills": kills, "recoveries": recoveries, "final_workers": final_workers,
             "wall_s": wall, "step_s": wall / max(1, len(losses)), "snapshot_s": quantiles(snapshot_s),
             "transfer_s": quantiles(transfer_s), "snapshot_bytes": snapshot_bytes, "samples": samples,
-            "rss": flatness(samples, args.rss_tolerance_mib * MIB), "exact": exact, "mismatch": mismatch,
+            "rss": flatness(samples, args.rss_tolerance_mib * MIB, args.soak_warmup), "exact": exact, "mismatch": mismatch,
             "max_weight_diff": weight_diff, "max_loss_diff": loss_diff, "reference_s": ref_s,
             "losses": losses}
 
