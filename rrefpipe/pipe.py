@@ -147,8 +147,9 @@ class Pipe(nn.Module):
             to a spare, every stage goes back to the last snapshot and the batches since are run again, so
             the run ends with the weights it would have had (:attr:`recoveries` lists what happened).
         snapshot_every: with spares, every stage's state (weights, optimizer and scheduler state, random
-            state) is copied to a spare every this many updates of :meth:`train_stream`; a recovery replays
-            at most this many batches.
+            state) is copied to a spare every this many updates of :meth:`train_stream` (the next step waits
+            for each stage to copy its state, not for the transfer); a recovery replays at most this many
+            batches.
 
     Raises:
         CaptureError: ``torch.export`` cannot capture the module (names the submodule, torch's reason and
