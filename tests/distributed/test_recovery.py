@@ -444,6 +444,22 @@ def test_a_captured_gpt_whose_tied_head_was_on_the_lost_worker(warm_python, tmp_
     assert_like_reference(result, spec)
 
 
+def test_a_worker_lost_just_after_a_snapshot_left_it_goes_back_to_that_snapshot_or_the_one_before(warm_python,
+                                                                                                   tmp_path):
+    """Stage 1's worker dies as soon as the step that took the snapshot of update 6 returned, which waits for
+    the stages' copies, not for their transfer to the holder: the recovery goes back to that snapshot if all
+    of it had arrived, else to the one of update 3 (the holder gives up the one in transit), and replays
+    the batches since; the run is the uninterrupted one either way."""
+    spec = dict(stages=2, batches=BATCHES, schedule="1F1B", spares=1, snapshot_every=EVERY, kills={6: "stage:1"})
+    result = run(warm_python, tmp_path, spec)
+    assert result["error"] is None, result["error"]
+    (record,) = result["recoveries"]
+    assert record["restored_update"] in (3, 6), record
+    assert_recovery(record, "worker2", (1,), "worker3", failed_update=6, restored_update=record["restored_update"])
+    assert record["replayed"] == 6 - record["restored_update"]
+    assert_like_reference(result, spec)
+
+
 # -- several failures ---------------------------------------------------------------------------------------
 def test_two_failures_with_two_spares_are_both_recovered(warm_python, tmp_path):
     """Stage 0's worker dies after 2 updates (the holder, worker3, takes it; worker4 holds the snapshots
