@@ -254,11 +254,15 @@ def publish(key: str, value: Any) -> None:
 
 
 def read(key: str, within: float) -> Any:
-    """What :func:`publish` wrote under ``key``, waiting up to ``within`` seconds; None if nothing."""
+    """What :func:`publish` wrote under ``key``, waiting up to ``within`` seconds (0: not at all); None if
+    nothing (or no store to ask)."""
     store = _job_store()
     full = f"rrefpipe/replicas/{key}"
     try:
-        store.wait([full], timedelta(seconds=within))
+        if within > 0:
+            store.wait([full], timedelta(seconds=within))
+        elif not store.check([full]):
+            return None
         return json.loads(store.get(full))
     except Exception:
         return None

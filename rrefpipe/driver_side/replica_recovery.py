@@ -10,9 +10,14 @@ as it is. Then::
     ---------------------                     -------------------------------
     publish its account to the job's store    rebuild the drivers' group without the lost replicas
     raise ReplicaLost (its `with` block       agree over it: the same replicas lost, the same steps done
-      ends: its stage workers are stopped)    have each of its stage workers rebuild its group (RPC)
-                                              read what the lost drivers published (up to 2 s)
+      ends: its stage workers are stopped)    publish the decision (the first survivor)
+                                              have each of its stage workers rebuild its group (RPC)
+                                              read what the lost drivers published (up to 2 s
+                                                for a driver that answered the ping)
                                               raise ReplicasDropped: run the step again
+
+A replica dropped while alive (a process of it busy past the pings) finds the decision at its next failed
+step and raises ``ReplicaLost`` too.
 
 Nothing of the failed step was applied (the optimizer steps after ``train_step`` returns), so the step run
 again, averaged over the survivors' rows only, continues the run exactly as if the lost replicas had left
@@ -33,7 +38,7 @@ from ..errors import ReplicaLost, ReplicasDropped
 __all__: list[str] = []
 
 PING_WITHIN = 2.0  # seconds a process of the job has to answer before it counts as gone
-REPORT_WAIT = 2.0  # seconds a survivor waits for a lost replica's driver to publish its account
+REPORT_WAIT = 2.0  # seconds a survivor waits for a live lost replica's driver to publish its account
 
 _averaged = [0]  # this driver's train_steps averaged over the replicas so far
 
@@ -52,13 +57,21 @@ def after_failure(exc: BaseException) -> None:
     if m is None or m.on_loss != "continue":
         return
     start = time.perf_counter()
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    decided = replicas.read(f"dropped/{m.generation + 1}", 0)
+    if decided is not None and m.replica in decided["lost"]:  # the others went on without this replica
+        raise ReplicaLost(
+            f"replica {m.replica} was dropped by replicas {decided['live']} after {decided['step']} steps averaged "
+            f"over every replica: they found {', '.join(map(repr, decided['gone']))} gone or not answering within "
+            f"{PING_WITHIN:g} s (a process of this replica busy for that long counts as lost). This replica cannot "
+            f"rejoin; leave the torchrun_group block ({first_line})", m.replica, tuple(decided["gone"]),
+            int(decided["step"])) from exc
     gone = tuple(replicas.unreachable(PING_WITHIN))
     by_name = dict(zip(m.job, m.job_replicas))
     lost = tuple(sorted({by_name[name] for name in gone if name in by_name} & set(m.live_replicas)))
     if not lost:
         return
     step = _averaged[0]
-    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if m.replica in lost:
         own = tuple(name for name in gone if by_name.get(name) == m.replica)
         account = f"{', '.join(map(repr, own))} gone after {step} averaged steps ({first_line})"
@@ -83,10 +96,14 @@ def after_failure(exc: BaseException) -> None:
     if any(view != (lost, step) for view in views):
         raise RuntimeError(f"the surviving replicas {list(live)} disagree on what happened (lost replicas, steps "
                            f"averaged: {dict(zip(live, views))}); they cannot go on as one model") from exc
+    if replicas.current().first:  # type: ignore[union-attr]  # (for a dropped replica that was only slow)
+        replicas.publish(f"dropped/{generation}", {"lost": list(lost), "live": list(live), "step": step,
+                                                   "gone": list(gone)})
     _rebuild_workers(m, live, generation)
     reported = {}
-    for r in lost:
-        account = replicas.read(f"lost/{r}", REPORT_WAIT)
+    drivers = dict(zip(m.live_replicas, m.names))  # (on a driver, its group is the drivers')
+    for r in lost:  # a dead driver reports nothing: no wait for it
+        account = replicas.read(f"lost/{r}", 0 if drivers.get(r) in gone else REPORT_WAIT)
         if account is not None:
             reported[r] = str(account["account"])
     loss = replicas.ReplicaLoss(lost=lost, gone=gone, live=live, step=step,

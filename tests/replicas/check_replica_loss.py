@@ -9,6 +9,9 @@ goes on, then checks itself against plain PyTorch (``OK ...`` lines, ``DONE repl
 * from that step on: replica 0's share alone;
 * every loss ``train_stream`` yielded: replica 0's own share's loss under the plain model's weights then.
 
+With ``--host``, replica 1's driver waits before step ``KILL_AT`` instead, and the test kills its host whole
+(agent, driver and stage workers) while replica 0 runs that step: no driver of replica 1 reports.
+
 The guide's section "Replicas" (docs/guide/recovery.md) shows the block between the ``guide`` marks, less
 the lines marked ``# (test)`` (timing for the test); the test checks that it is this file's text.
 """
@@ -71,6 +74,9 @@ def main() -> None:
         def my_share():
             for t, step in enumerate(steps):
                 if r == 1 and t == KILL_AT:          # replica 1's last stage worker dies between two steps
+                    if "--host" in sys.argv:  # (test)
+                        print(f"HOST 1 READY at {time.time():.3f}", flush=True)  # (test)
+                        time.sleep(600)  # the test kills this host whole meanwhile  # (test)
                     os.kill(rpc.rpc_sync(pipe.stages[-1].worker, os.getpid), signal.SIGKILL)
                     print(f"KILLED at {time.time():.3f}", flush=True)  # (test)
                 yield step[r]
@@ -92,6 +98,7 @@ def main() -> None:
     # guide: end
         (drop,) = stage_workers.losses
         assert stage_workers.live == [0] and drop.lost == (1,) and drop.step == KILL_AT, (stage_workers.live, drop)
+        assert set(drop.gone) == {"driver1", "worker4", "worker5"} or "--host" not in sys.argv, drop
         expected, plain = plain_run(initial, steps, dropped_at=drop.step)
         assert len(losses) == STEPS, len(losses)
         for t, (got, want) in enumerate(zip(losses, expected)):

@@ -27,12 +27,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _agent(node: int, port: int, out: Path, monitor: float) -> subprocess.Popen[bytes]:
+def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subprocess.Popen[bytes]:
     """A torchrun agent for "host" ``node``: one replica, a driver and 2 stage workers (layout "replica")."""
     with open(out, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                                  str(node), "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port",
-                                 str(port), "--monitor-interval", str(monitor), SCRIPT],
+                                 str(port), "--monitor-interval", str(monitor), SCRIPT, *args],
                                 stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 
@@ -101,14 +101,49 @@ def test_the_replicas_go_on_without_a_lost_one_as_plain_pytorch_on_the_survivors
               f"{record.group(2)} s)")
     finally:
         for agent in agents:
-            for pid in [*_descendants(agent.pid), agent.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            agent.wait(timeout=10)
+            _kill_host(agent)
     for agent in agents:
         assert not pid_alive(agent.pid)
+
+
+def _kill_host(agent: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a "host": its agent and every process below it."""
+    for pid in [*_descendants(agent.pid), agent.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=10)
+
+
+@pytest.mark.timeout(150)
+def test_the_replicas_go_on_without_a_host_lost_whole_driver_included(tmp_path: Path):
+    """Replica 1's host (agent, driver, stage workers) is SIGKILLed while replica 0 runs step 3: replica 0's
+    averaging fails, it drops replica 1 with no report from it (its driver is dead too), runs step 3 again
+    alone and ends as plain PyTorch on both replicas' shares for steps 0-2 and its own for 3-5."""
+    port = _free_port()
+    outs = [tmp_path / "host0.out", tmp_path / "host1.out"]
+    agents = [_agent(0, port, outs[0], 0.5, "--host"), _agent(1, port, outs[1], 0.5, "--host")]
+    start = time.monotonic()
+    try:
+        ready = _wait_for(outs[1], r"HOST 1 READY at ([\d.]+)", start + 100, agents[1])
+        assert "HOST 1 READY" in ready, ready[-4000:] + "\n--- host 0 ---\n" + outs[0].read_text()[-3000:]
+        time.sleep(0.5)  # replica 0 is in its step 3 by now, waiting for replica 1 in the averaging
+        killed = time.time()
+        _kill_host(agents[1])
+        text = _wait_for(outs[0], r"DONE replica 0", start + 130, agents[0])
+        assert "DONE replica 0" in text, text[-6000:]
+        assert "OK replica 0: final weights as plain PyTorch's" in text, text[-4000:]
+        record = re.search(r"replica 0: replicas \[1\] lost \((.*?)\) after 3 steps, ([\d.]+) s; replicas \[0\] go on; "
+                           r"their report: \{\}", text)
+        assert record, text[-4000:]
+        resumed = float(re.search(r"STEP 3 DONE at ([\d.]+)", text).group(1))  # type: ignore[union-attr]
+        record_surfacing("a replica's host lost (on_replica_loss='continue')", "kill to the survivor's step done",
+                         resumed - killed)
+        print(f"\nwall {time.monotonic() - start:.1f} s; host killed to replica 0's step 3 done {resumed - killed:.2f} s")
+    finally:
+        for agent in agents:
+            _kill_host(agent)
 
 
 def test_the_guide_shows_this_script():
