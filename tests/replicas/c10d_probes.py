@@ -231,3 +231,35 @@ def scenario(kind: str, port: int) -> None:
             child.kill()
     fact("exits", {str(rank): p.returncode for rank, p in children.items()})
     fact("done", True)
+
+
+# --- a member that lets go of its group (no kill) -----------------------------------------------------
+
+def closing(how: str, rank: int, port: int) -> None:
+    """Two processes, a group of both (``how``: ``"registered"``, made by ``new_group``, or ``"rebuilt"``, a
+    ``ProcessGroupGloo`` over a prefix of the job's store); rank 0 waits in an all-reduce that rank 1 never
+    joins, and 0.5 s in, rank 1 lets go of the group: takes it out of c10d's registry
+    (``destroy_process_group``, for a registered one) and drops its last reference, as
+    ``rrefpipe.replicas.let_go`` does. Rank 0 reports ``FACT closed <json>``: its all-reduce's outcome and
+    the ms from rank 1's letting go (``closed_at``, a wall-clock time written to the store)."""
+    exit_after(LIMIT)
+    limit = timedelta(seconds=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=limit)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=limit)
+    group = (dist.new_group([0, 1], timeout=limit) if how == "registered" else
+             dist.ProcessGroupGloo(dist.PrefixStore("closing/", store), rank, 2, limit))
+    _all_reduce(group)  # (connected)
+    if rank == 0:
+        outcome = bounded(lambda: _all_reduce(group), 2 * TIMEOUT)
+        closed_at = float(store.get("closed_at"))
+        outcome["ms_after_close"] = round((outcome.get("ended", time.time()) - closed_at) * 1000, 1)
+        fact("closed", outcome)
+        store.set("reported", "1")
+    else:
+        time.sleep(0.5)
+        if how == "registered":
+            dist.destroy_process_group(group)
+        del group
+        store.set("closed_at", repr(time.time()))
+        store.wait(["reported"], timedelta(seconds=LIMIT))
+    fact("done", True)

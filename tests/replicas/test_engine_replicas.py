@@ -190,3 +190,40 @@ def test_the_broken_group_and_then_the_default_group_are_destroyed_at_once_and_a
     for kind, live in (("member", MEMBER_SURVIVORS + [4]), ("store_host", HOST_SURVIVORS + [4])):
         everything = per_rank(runs, kind, "c_destroy_all", live)
         assert all(d["outcome"] == "returned" and d["ms"] < FAST_MS for d in everything.values()), everything
+
+
+@pytest.mark.parametrize("how", ["registered", "rebuilt"])
+def test_a_member_that_lets_go_of_its_group_fails_a_peer_waiting_in_it_at_once(tmp_path: Path, how: str):
+    """(d) Without any kill: rank 0 waits in an all-reduce of a group of two that rank 1 does not join; rank 1
+    takes the group out of c10d's registry (``destroy_process_group``, for one ``new_group`` made) and drops
+    its last reference, which closes its Gloo connections: rank 0's all-reduce raises at once, not at the
+    group's timeout ("Connection closed by peer"; for a group made outside the registry, a ValueError that
+    c10d raises while reporting it). ``rrefpipe.replicas.let_go`` does this, for a peer of another replica still
+    waiting in a failed step's averaging."""
+    port = int(free_urls(1)[0].rsplit(":", 1)[1])
+    outs = [tmp_path / f"r{rank}.out" for rank in range(2)]
+    procs = []
+    for rank, out in enumerate(outs):
+        code = f"from tests.replicas.c10d_probes import closing; closing({how!r}, {rank}, {port})"
+        with open(out, "wb") as f:
+            procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT))))
+    try:
+        for proc in procs:
+            proc.wait(timeout=probes.LIMIT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+    text = outs[0].read_text()
+    line = re.search(r"FACT closed \S+ (.*)", text)
+    assert line, text[-3000:] + outs[1].read_text()[-2000:]
+    closed = json.loads(line.group(1))
+    MEASURED.append((how, "closed", closed))
+    print(f"\n{how}: {closed}")
+    # (for a group outside the registry, ``dist.all_reduce`` hides Gloo's error behind a lookup of the group
+    # that fails: "... is not initialized in the world group map"; it still comes at once)
+    said = "Connection closed by peer" if how == "registered" else "not initialized in the world group map"
+    assert closed["outcome"] == "raised" and said in closed["error"], closed
+    assert closed["ms_after_close"] < FAST_MS, closed
