@@ -1,7 +1,7 @@
 """rrefpipe: GPipe-style pipeline parallelism over ``torch.distributed.rpc`` stage workers."""
 from .capture import CaptureError, set_stage
 from .stage_side.checkpoint import is_checkpointing, is_recomputing
-from .errors import ReplicaLost, ReplicasDropped, StageError, WorkerError
+from .errors import ReplicaLost, ReplicasDropped, StageError, StageReplaced, WorkerError
 from .driver_side.grad_scaler import GradScaler
 from .driver_side.local import InProcessWarning
 from .driver_side.output import PipeRRef, RemotePipeRRef
@@ -16,5 +16,5 @@ from .weights import meta_parameters
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
            "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
            "CaptureError", "PipeMareOptions", "meta_parameters", "save_model", "load_model", "Recovery",
-           "ReplicaLost", "ReplicasDropped"]
+           "ReplicaLost", "ReplicasDropped", "StageReplaced"]
 __version__ = "0.1.0"

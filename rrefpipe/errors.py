@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.nn.modules
 
-__all__ = ["StageError", "WorkerError", "ReplicaLost", "ReplicasDropped"]
+__all__ = ["StageError", "WorkerError", "ReplicaLost", "ReplicasDropped", "StageReplaced"]
 
 
 class StageError(RuntimeError):
@@ -104,6 +104,20 @@ class ReplicasDropped(RuntimeError):
     def __init__(self, message: str, loss: Any) -> None:
         super().__init__(message)
         self.loss = loss
+
+
+class StageReplaced(RuntimeError):
+    """Raised by ``train_step`` or ``PipeOptimizer.step`` on every replica's driver of a job with spares
+    (``workers.torchrun_group(replicas=R, spares=k)``) once a lost stage worker was replaced by a spare and
+    the replicas behind were rebuilt from a live one (the donor). ``again``: run the failed step again, in a
+    new distributed-autograd context (``train_stream`` does); False on a replica that was behind the donor
+    (its optimizer step failed where the donor's was done): its update came with the donor's state, so go on
+    to the next batch, and keep the loss ``train_step`` returned for this one. ``recoveries``: this
+    pipe's :class:`~rrefpipe.driver_side.recovery.Recovery` records of it (none where no stage moved)."""
+
+    def __init__(self, message: str, again: bool, recoveries: tuple[Any, ...] = ()) -> None:
+        super().__init__(message)
+        self.again, self.recoveries = again, recoveries
 
 
 def is_transport_error(exc: BaseException | str) -> bool:

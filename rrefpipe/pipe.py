@@ -16,9 +16,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 
-from . import _rpc, calling, microbatch
+from . import _rpc, calling, microbatch, replicas
 from .driver_side import clip, pipe_optimizer, placement, streaming
-from .driver_side import recovery
+from .driver_side import recovery, replica_spares
 from .driver_side import sharded as pipe_sharded
 from ._rpc import DEFAULT_RPC_TIMEOUT
 from .balance import balance_for_pipe
@@ -146,7 +146,10 @@ class Pipe(nn.Module):
             :meth:`train_stream` (synchronous schedules, with ``pipe.optimizer``) a lost worker's stages move
             to a spare, every stage goes back to the last snapshot and the batches since are run again, so
             the run ends with the weights it would have had (:attr:`recoveries` lists what happened).
-        snapshot_every: with spares, every stage's state (weights, optimizer and scheduler state, random
+            With replicas (``workers.torchrun_group(replicas=R, spares=k)``, ``spares=stage_workers.spares``)
+            no snapshot is kept: a lost worker's spare, and every stage of its replica, take their state
+            from the same stages of a live replica (the guide's "Spares with replicas").
+        snapshot_every: with spares (one replica), every stage's state (weights, optimizer and scheduler state, random
             state) is copied to a spare every this many updates of :meth:`train_stream` (the next step waits
             for each stage to copy its state, not for the transfer); a recovery replays at most this many
             batches.
@@ -435,7 +438,9 @@ class Pipe(nn.Module):
             self._stop_local_workers()
             raise
         self._release_when_dropped(driver)
-        if spare_names:
+        if spare_names and replicas.current() is not None:  # the other replicas are the copy: no snapshots
+            driver.peers = replica_spares.PeerGuard(driver, spare_names)
+        elif spare_names:
             self._guard = recovery.Guard(driver, spare_names, self.snapshot_every)
         return driver
 
@@ -852,6 +857,9 @@ class Pipe(nn.Module):
         return self._guarded_call("recover").restore()
 
     def _guarded_call(self, what: str) -> recovery.Guard:
+        if self._guard is None and getattr(self._driver, "peers", None) is not None:
+            raise RuntimeError(f"pipe.{what}() is for a pipe that keeps snapshots: with replicas, spares take a lost "
+                               "stage's state from a live replica when a step fails, and no snapshot is kept")
         if self._guard is None:
             raise RuntimeError(f"pipe.{what}() needs spare workers: build the pipe with spares=1 (or more)")
         return self._guard
@@ -861,7 +869,8 @@ class Pipe(nn.Module):
         """The lost stage workers this pipe recovered from (``spares=``), oldest first: which worker, its
         stages, the spare that took them, the snapshot restored, the batches replayed and the time taken."""
         guard = getattr(self, "_guard", None)
-        return list(guard.records) if guard is not None else []
+        peers = getattr(getattr(self, "_driver", None), "peers", None)  # (spares with replicas)
+        return list(guard.records) if guard is not None else list(peers.records) if peers is not None else []
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state under its own keys, as CPU copies gathered from every stage into this process

@@ -289,9 +289,13 @@ def torchrun_group(
         collective_timeout: seconds a collective between replicas (averaging gradients) may wait for
             the others before the step fails; default ``rpc_timeout``. A replica that stops taking part
             (dead, or out of data) fails the others' steps after this long, not c10d's 30 minutes.
-        spares: the job's last ``spares`` ranks serve no stage: the yielded list leaves them out and
-            names them in its ``spares``, for ``Pipe(..., workers=stage_workers,
-            spares=stage_workers.spares)`` (a stage worker that dies is replaced by one). One replica only.
+        spares: the last ``spares`` ranks of each replica serve no stage: the yielded list leaves them out
+            and names them in its ``spares``, for ``Pipe(..., workers=stage_workers,
+            spares=stage_workers.spares)`` (a stage worker that dies is replaced by one). With one replica
+            the pipe keeps snapshots of its stages on a spare; with replicas it keeps none: a replica's lost
+            stage worker is replaced by one of its own spares, which takes the stage's state from the same
+            stage of a live replica (see the recovery guide, "Spares with replicas"). A spare averages
+            nothing until it takes a stage (its group until then is the same spare of every replica's).
         on_replica_loss: with replicas, what the job does when a replica loses a process (its driver or a
             stage worker: dead, or not answering): ``"stop"`` (default; every replica's next averaging fails,
             naming what is gone) or ``"continue"``: the lost replica's driver gets a
@@ -308,9 +312,10 @@ def torchrun_group(
     if on_replica_loss not in ("stop", "continue"):
         raise ValueError(f"on_replica_loss must be 'stop' or 'continue', got {on_replica_loss!r}")
     group = GroupEnv.from_environ(replicas=replicas, layout=layout)
-    if spares and (replicas != 1 or not 0 < spares < len(group.stage_workers)):
-        raise ValueError(f"spares={spares} with replicas={replicas} and {len(group.stage_workers)} stage workers: "
-                         "spares are for one replica, and leave at least one stage worker")
+    if spares and not 0 < spares < len(group.stage_workers):
+        raise ValueError(f"spares={spares} with {len(group.stage_workers)} ranks per replica besides its driver: "
+                         "spares must leave at least one stage worker" +
+                         (" in each replica (they are taken from each replica's own ranks)" if replicas > 1 else ""))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = group.master_addr, str(group.master_port)
     configure_interface(interface, group.master_addr, who=f"rank {group.rank} ({group.name})")
     own_devices, maps = stage_devices(group, devices, device_maps)

@@ -138,7 +138,15 @@ class PipeOptimizer:
         if not _rpc.context_exists(context_id):
             raise RuntimeError(f"no dist_autograd context {context_id!r} in this process: call step inside the "
                                "`with dist_autograd.context() as context_id:` block, after backward")
-        self._all(stage_optim.step, context_id)
+        peers = getattr(self._driver(), "peers", None)  # spares with replicas (driver_side.replica_spares)
+        try:
+            self._all(stage_optim.step, context_id)
+        except Exception as exc:
+            if peers is not None:
+                peers.recover(exc, updating=True)
+            raise
+        if peers is not None:
+            peers.applied()
 
     def zero_grad(self) -> None:
         """Drop the parameters' ``.grad`` on the workers (``set_to_none``: the gradients :meth:`step` uses

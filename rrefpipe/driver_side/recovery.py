@@ -47,6 +47,9 @@ class Recovery:
         replayed: batches ``train_stream`` ran again since that snapshot (0 for ``pipe.recover()``).
         seconds: from the failure surfacing to the failed batch about to run again (replay included).
         cause: the error that surfaced it (``'pipe.recover()'`` for that call).
+        source: where the stages' state came from: ``"snapshot"`` (the pipe's, on a spare), or
+            ``"replica r"``, the same stages of live replica r (spares with replicas: ``restored_update`` is
+            then that replica's count of optimizer updates, and ``replayed`` is 0).
     """
 
     worker: str
@@ -57,6 +60,7 @@ class Recovery:
     replayed: int
     seconds: float
     cause: str
+    source: str = "snapshot"
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,7 @@ class RemoteDriver:
         self.remote_output = remote_output
         self.rpc_timeout = rpc_timeout
         self.microbatches_per_message = microbatches_per_message
+        self.peers: Any = None  # spares with replicas: a replica_spares.PeerGuard (set by the Pipe)
         self._steps = itertools.count()
         self._lock = threading.Lock()
         self._warned_no_context = False
@@ -488,7 +489,9 @@ class RemoteDriver:
             else:
                 failed = None
         if failed is not None:
-            if replicated:  # (outside the pipe's lock: rebuilding the groups waits for the other replicas)
+            if replicated and self.peers is not None:  # spares with replicas (driver_side.replica_spares)
+                self.peers.recover(failed, updating=False)
+            elif replicated:  # (outside the pipe's lock: rebuilding the groups waits for the other replicas)
                 replica_recovery.after_failure(failed)
             raise failed
         if replicated and average:

@@ -30,7 +30,7 @@ from ..captured import StructuredLoss
 from .remote import _pickled_loss, _send_copy
 from .local import LocalDriver
 from .diagnosis import first_cause
-from ..errors import Failure, ReplicasDropped, StageError
+from ..errors import Failure, ReplicasDropped, StageError, StageReplaced
 from ..loss import mean_loss, split_target
 from ..microbatch import TensorOrTensors
 from ..schedule import PipeMareOptions, is_async
@@ -338,24 +338,27 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
                 ) -> Iterator[Tensor]:
     """Under a synchronous schedule: ``train_step`` and ``optimizer.step`` per batch, exactly. With spares
     (``pipe._guard``), a step that a lost worker failed is recovered from and run again
-    (:mod:`rrefpipe.driver_side.recovery`)."""
+    (:mod:`rrefpipe.driver_side.recovery`); with spares and replicas (``pipe._driver.peers``) the step is run
+    again, or not where this replica's update came with the donor's state
+    (:mod:`rrefpipe.driver_side.replica_spares`)."""
+    from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
+
     guard = pipe._guard
     if guard is not None:
-        from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
-
-        if replicas.current() is not None:
-            raise ValueError("spares with replicas: recovery is not supported there yet (a replica's lost worker "
-                             "would have to take its state from the same stage of another replica); train without "
-                             "spares=")
-
         if not isinstance(optimizer, PipeOptimizer):
             raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
                             f"a {type(optimizer).__name__} (a DistributedOptimizer holds RRefs to the lost worker's "
                             "parameters)")
         guard.start()
 
+    peers = getattr(pipe._driver, "peers", None)  # spares with replicas (driver_side.replica_spares)
+    if peers is not None and not isinstance(optimizer, PipeOptimizer):
+        raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not a "
+                        f"{type(optimizer).__name__}")
+
     def step(batch: tuple[Any, Any]) -> Tensor:
-        while True:  # (at most once per replica dropped)
+        updated = True
+        while True:  # (at most once per replica dropped or stage worker replaced)
             try:
                 with dist_autograd.context() as context_id:
                     loss = pipe.train_step(context_id, batch[0], batch[1], loss_fn)
@@ -363,7 +366,12 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
                 break
             except ReplicasDropped:  # lost replicas were dropped: the batch again, averaged over the live ones
                 continue
-        if lr_scheduler is not None:
+            except StageReplaced as exc:  # a spare took a lost worker's place, the stages rebuilt from a replica
+                if exc.again:
+                    continue
+                updated = False  # (this batch's update, and its scheduler's step, came with the donor's state)
+                break
+        if lr_scheduler is not None and updated:
             lr_scheduler.step()
         return loss
 

@@ -106,8 +106,13 @@ def nbytes(part: Part) -> int:
 
 
 # -- on the stage's worker -------------------------------------------------------------------------------
-def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> Part:
-    """Stage ``j``'s snapshot: spec, layers, optimizers (by id, with their schedulers' states), random state."""
+#: A donor's optimizer ids as another pipe knows them: donor id -> (the other's id, donor scheduler id -> its id).
+Renamed = dict[int, tuple[int, dict[int, int]]]
+
+
+def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]], rename: Renamed | None = None) -> Part:
+    """Stage ``j``'s snapshot: spec, layers, optimizers (by id, with their schedulers' states), random state.
+    ``rename``: the optimizers and schedulers keyed by another pipe's ids instead (a replica's, see :func:`give`)."""
     here = server._server(pipe_id, j)
     here.stream.settle()  # after an optimizer step's writes
     opts: dict[int, tuple[dict[str, Any], dict[int, Any]]] = {}
@@ -115,6 +120,9 @@ def _state(pipe_id: str, j: int, optimizers: dict[int, list[int]]) -> Part:
         with stage_optim.lock(pipe_id, opt_id):
             optimizer = stage_optim.optimizer(pipe_id, opt_id, j)
             schedules = {s: stage_optim.scheduler(pipe_id, opt_id, j, s).state_dict() for s in scheduler_ids}
+            if rename is not None:
+                opt_id, ids = rename[opt_id]
+                schedules = {ids[s]: state for s, state in schedules.items()}
             opts[opt_id] = (optimizer.state_dict(), schedules)
     with here.stream.running():
         return split((replace(here.spec, module=None, factory=None, init=None), here.stage.module, opts,
@@ -227,6 +235,17 @@ def send(pipe_id: str, j: int, to: str, timeout: float = _DEFAULT_TIMEOUT) -> Fu
         done.set_result((generation, rebuild(pipe_id, structure, [s.clone() for s in storages])))
         return done
     return rpc.rpc_async(to, _rebuild_remote, args=(pipe_id, generation, structure, storages), timeout=timeout)
+
+
+@rpc.functions.async_execution
+def give(pipe_id: str, j: int, optimizers: dict[int, list[int]], rename: Renamed, to: str, target_pipe_id: str,
+         timeout: float = _DEFAULT_TIMEOUT) -> Future[tuple[int, StageInfo]]:
+    """On the stage's worker in a donor replica: stage ``j``'s state now, sent worker to worker to ``to``, which
+    rebuilds it as stage ``j`` of the pipe ``target_pipe_id`` (the same stage of another replica's pipe; its
+    optimizers by that pipe's ids, ``rename``). What a lost stage worker's spare, and every stage of a replica
+    behind the donor, takes (:mod:`rrefpipe.driver_side.replica_spares`); no snapshot is kept anywhere."""
+    structure, storages = _state(pipe_id, j, optimizers, rename)
+    return rpc.rpc_async(to, _rebuild_remote, args=(target_pipe_id, 0, structure, storages), timeout=timeout)
 
 
 def _rebuild_remote(pipe_id: str, generation: int, structure: bytes, storages: list[Tensor]
