@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, record_surfacing, wait_gone
+from tests.conftest import ROOT, record_surfacing, run_script, wait_gone
 from tests.replicas.test_replica_loss import _descendants, _free_port, _kill_host, _wait_for
 
 SCRIPT = "tests/replicas/check_replica_spares.py"
@@ -109,3 +109,48 @@ def test_the_guide_shows_this_script():
     section = page[page.index("\n### Spares with replicas\n"):]
     code = re.search(r"^```py\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
     assert code is not None and code.group(1) == shown, "docs/guide/recovery.md's spares code differs from " + SCRIPT
+
+
+def test_each_replica_keeps_its_last_ranks_as_spares_leaving_a_stage_worker(monkeypatch: pytest.MonkeyPatch):
+    """``spares=k`` with replicas takes k ranks from each replica's block; it must leave each replica a stage
+    worker (checked before anything joins)."""
+    import workers
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match=r"spares=2 with 2 ranks per replica besides its driver: spares must leave "
+                                         r"at least one stage worker in each replica"):
+        with workers.torchrun_group(replicas=2, spares=2):
+            pass
+
+
+@pytest.mark.timeout(60)
+def test_let_go_closes_a_generation_and_regroup_makes_the_next():
+    """In one process (a job of one replica, for the mechanics): ``let_go`` drops the group of the generation it
+    names (not a later one), ``regroup`` makes a fresh group of the ranks it is given at a new generation, once,
+    and averaging works in it."""
+    run_script(f"""
+        import torch, torch.distributed as dist
+        from rrefpipe import replicas
+        store = dist.TCPStore("127.0.0.1", {_free_port()}, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        old = dist.new_group([0])
+        replicas.join(replicas.Membership(replica=0, replicas=1, group=old, ranks=[0], names=["worker1"], timeout=5))
+        replicas.let_go(1)  # (not this generation: nothing)
+        assert replicas.current().group is old
+        replicas.let_go(0)
+        assert replicas.current().group is None and old not in dist.distributed_c10d._world.pg_map
+        replicas.regroup([0], ["worker3"], 1)
+        m = replicas.current()
+        assert m.generation == 1 and m.group is not None and m.names == ["worker3"], m
+        replicas.regroup([0], ["worker3"], 1)
+        assert replicas.current().group is m.group  # the same generation again: nothing
+        replicas.let_go(0)  # (a late call for the old generation: the new group stays)
+        assert replicas.current().group is m.group
+        p = torch.ones(2)
+        assert replicas.end_step([p], [torch.full((2,), 2.0)], 4, [], generation=1)[0].tolist() == [2.0, 2.0]
+        dist.destroy_process_group()
+        print("OK")
+    """, timeout=50)
