@@ -99,3 +99,5 @@ def test_the_holder_commits_a_generation_once_every_stage_arrived_and_a_recovery
     finally:
         snapshots.drop(pipe)
     assert pipe not in snapshots._held
+    snapshots.keep(pipe, 0, 4, 1, *part(4.0))  # a part that was on its way when the pipe closed
+    assert pipe not in snapshots._held

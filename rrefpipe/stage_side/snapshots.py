@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -158,12 +159,15 @@ class _Held:
 
 
 _held: dict[str, _Held] = {}  # pipe id -> its snapshots, on the holder
+_dropped: OrderedDict[str, None] = OrderedDict()  # pipes closed lately: a part still in flight is not kept
 _lock = threading.Lock()
 
 
 def keep(pipe_id: str, j: int, generation: int, stages: int, structure: bytes, storages: list[Tensor]) -> None:
     """Stage ``j``'s part of ``generation``; the last of the ``stages`` parts to arrive commits it."""
     with _lock:
+        if pipe_id in _dropped:
+            return  # (the pipe closed while its last snapshot was on its way)
         held = _held.setdefault(pipe_id, _Held())
         if generation <= max(held.abandoned, held.generation):
             return  # late: a recovery gave this generation up, or a later one is committed
@@ -219,6 +223,9 @@ def drop(pipe_id: str) -> None:
     """Forget the pipe's snapshots (the pipe closed)."""
     with _lock:
         _held.pop(pipe_id, None)
+        _dropped[pipe_id] = None
+        while len(_dropped) > 64:
+            _dropped.popitem(last=False)
 
 
 @rpc.functions.async_execution
