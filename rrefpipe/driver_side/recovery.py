@@ -308,19 +308,7 @@ class Guard:
         workers = [moved.get(w, w) for w in driver.workers]
         calls = [rpc.rpc_async(holder, snapshots.send, args=(driver.pipe_id, j, w, driver.rpc_timeout),
                                timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
-        infos = []
-        for j, call in enumerate(calls):
-            try:
-                infos.append(_rpc.wait(call)[1])
-            except Exception as error:
-                raise StageError(j, workers[j], None, "rebuilding the stage from its snapshot (recovery)",
-                                 type(error).__name__, str(error)) from error
-        driver.reconnect(workers, infos)
-        optimizers = {opt.id: (opt.payload, dict(opt.schedulers)) for opt in pipe_optimizer.owned(driver)}
-        restoring = [rpc.rpc_async(w, snapshots.restore_optimizers, args=(driver.pipe_id, j, optimizers),
-                                   timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
-        for call in restoring:
-            _rpc.wait(call)
+        reconnect_rebuilt(driver, workers, calls, "from its snapshot")
         self.spares = [s for s in self.spares if s not in moved.values()]
         return moved
 
@@ -356,6 +344,24 @@ class Guard:
                 rpc.rpc_sync(self.holder, snapshots.drop, args=(self.driver.pipe_id,), timeout=PING_TIMEOUT)
             except Exception:
                 pass
+
+
+def reconnect_rebuilt(driver: RemoteDriver, workers: list[str], calls: Sequence[Any], source: str) -> None:
+    """The pipe's stages rebuilt by ``calls`` (one per stage, each giving ``(generation, StageInfo)``) on
+    ``workers``: reconnect them and restore the pipe's optimizers on each (``snapshots.restore_optimizers``)."""
+    infos = []
+    for j, call in enumerate(calls):
+        try:
+            infos.append(_rpc.wait(call)[1])
+        except Exception as error:
+            raise StageError(j, workers[j], None, f"rebuilding the stage {source} (recovery)", type(error).__name__,
+                             str(error)) from error
+    driver.reconnect(workers, infos)
+    optimizers = {opt.id: (opt.payload, dict(opt.schedulers)) for opt in pipe_optimizer.owned(driver)}
+    restoring = [rpc.rpc_async(w, snapshots.restore_optimizers, args=(driver.pipe_id, j, optimizers),
+                               timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
+    for call in restoring:
+        _rpc.wait(call)
 
 
 def _note(exc: BaseException, text: str) -> None:

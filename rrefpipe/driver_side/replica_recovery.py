@@ -28,6 +28,7 @@ with their own batches, and giving them the lost share is the user's choice
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -123,6 +124,13 @@ def _rebuild_workers(m: replicas.Membership, live: tuple[int, ...], generation: 
     own = [name for name, r in zip(m.job, m.job_replicas) if r == m.replica and name != rpc.get_worker_info().name]
     calls = {name: rpc.rpc_async(name, replicas.rebuild, args=(live, generation), timeout=2 * m.timeout + 10)
              for name in own}
+    wait_all(calls, f"the stage workers of replica {m.replica} could not rebuild their groups without the lost "
+                    "replicas")
+
+
+def wait_all(calls: dict[str, Any], failure: str) -> None:
+    """Wait for every worker's call; if any failed, raise a RuntimeError saying ``failure`` and, for each,
+    the worker and the first line of its error."""
     failed = []
     for name, call in calls.items():
         try:
@@ -130,5 +138,4 @@ def _rebuild_workers(m: replicas.Membership, live: tuple[int, ...], generation: 
         except Exception as exc:
             failed.append(f"{name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     if failed:
-        raise RuntimeError(f"the stage workers of replica {m.replica} could not rebuild their groups without the "
-                           f"lost replicas: {'; '.join(failed)}")
+        raise RuntimeError(f"{failure}: {'; '.join(failed)}")

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from .. import _rpc, replicas
-from ..errors import StageError, StageReplaced
+from .. import replicas
+from ..errors import StageReplaced
 from ..stage_side import snapshots
 from . import pipe_optimizer, replica_recovery
-from .recovery import Recovery
+from .recovery import Recovery, reconnect_rebuilt
 
 __all__ = ["PeerGuard"]
 
@@ -176,15 +176,8 @@ class PeerGuard:
             calls[worker] = rpc.rpc_async(worker, replicas.regroup, args=([rank[w] for w in members], members,
                                                                           generation), timeout=2 * m.timeout + 10)
         replicas.regroup(m.ranks, m.names, generation)
-        failed = []
-        for worker, call in calls.items():
-            try:
-                call.wait()
-            except Exception as error:
-                failed.append(f"{worker}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-        if failed:
-            raise RuntimeError(f"the stage workers of replica {m.replica} could not form their groups with the spares "
-                               f"in the lost workers' places: {'; '.join(failed)}")
+        replica_recovery.wait_all(calls, f"the stage workers of replica {m.replica} could not form their groups "
+                                         "with the spares in the lost workers' places")
 
     def _take(self, donor: dict[str, Any], mine: dict[str, Any], workers: list[str]) -> None:
         """Every stage of this replica's pipe rebuilt on ``workers`` from the ``donor`` replica's same stage,
@@ -200,16 +193,4 @@ class PeerGuard:
         calls = [rpc.rpc_async(donor["workers"][j], snapshots.give,
                                args=(donor["pipe"], j, optimizers, rename, w, driver.pipe_id, driver.rpc_timeout),
                                timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
-        infos = []
-        for j, call in enumerate(calls):
-            try:
-                infos.append(_rpc.wait(call)[1])
-            except Exception as error:
-                raise StageError(j, workers[j], None, f"rebuilding the stage from replica {donor['replica']}'s "
-                                 "(recovery)", type(error).__name__, str(error)) from error
-        driver.reconnect(workers, infos)
-        payloads = {opt.id: (opt.payload, dict(opt.schedulers)) for opt in pipe_optimizer.owned(driver)}
-        restoring = [rpc.rpc_async(w, snapshots.restore_optimizers, args=(driver.pipe_id, j, payloads),
-                                   timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
-        for call in restoring:
-            _rpc.wait(call)
+        reconnect_rebuilt(driver, workers, calls, f"from replica {donor['replica']}'s")
