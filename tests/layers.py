@@ -475,8 +475,9 @@ class DoubleInPlace(nn.Module):
 
 
 class InterruptDriver(nn.Module):
-    """Sends SIGINT (a Ctrl-C) to the process that started its worker, in its first forward there
-    only: the driver is then certainly waiting for this step. Never fires in the process that built it."""
+    """Sends SIGINT (a Ctrl-C) to the driver, the process that built it, in its first forward on a worker
+    only: the driver is then certainly waiting for this step. (Not the worker's parent: local workers
+    are forked from a warm process.) Never fires in the process that built it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -488,7 +489,7 @@ class InterruptDriver(nn.Module):
         if self.fired or os.getpid() == self.built_in:
             return False
         self.fired = True
-        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(self.built_in, signal.SIGINT)
         return True
 
     def forward(self, x: Tensor) -> Tensor:
@@ -552,8 +553,8 @@ class AwaitsFiles(nn.Module):
 
 # -- Ctrl-C while a step is held ----------------------------------------------------------------------
 class _HoldsDriver(InterruptDriver):
-    """Where a subclass says, the first time on a worker: sends SIGINT to the process that started the
-    worker, then holds until that process creates ``folder/released`` (30 s at most), and then leaves
+    """Where a subclass says, the first time on a worker: sends SIGINT to the driver that built it,
+    then holds until that process creates ``folder/released`` (30 s at most), and then leaves
     ``folder/left``: a driver whose wait Ctrl-C interrupts sees KeyboardInterrupt while it is held (no
     file yet). Its forward does nothing else."""
 

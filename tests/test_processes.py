@@ -514,7 +514,9 @@ def test_a_users_own_workers_module_neither_runs_as_a_worker_nor_hides_the_cause
 ], ids=["exits", "hangs"])
 def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, worker_start, timeout, error):
     """torch's rendezvous would wait 30 minutes for a worker process that exited at start-up: the start
-    fails as soon as one has, or at the start-up timeout, kills the rest, and a next start works."""
+    fails as soon as one has, or at the start-up timeout, kills the rest, and a next start works. The
+    warm process that local workers fork from (``workers.warm``) runs the sitecustomize first: one that
+    exits falls back to fresh workers, one that hangs fails the start at the start-up timeout."""
     (tmp_path / "sitecustomize.py").write_text(
         f"import os; open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n{worker_start}\n")
     out = run_script(f"""
@@ -535,8 +537,11 @@ def test_a_worker_that_exits_or_hangs_before_joining_fails_the_start(tmp_path, w
     took = float(_values(out.stdout, "took")[0])
     assert took < 30 if timeout == 60 else took >= timeout  # no waiting for a worker that exited
     assert _values(out.stdout, "again") == ["True"]
-    pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
-    assert len(pids) == 2
+    pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]  # those that ran the sitecustomize
+    if os.environ.get("RREFPIPE_FRESH_WORKERS") == "1":
+        assert len(pids) == 2
+    else:  # the warm process the workers fork from: it exits (then 2 fresh workers), or hangs and is killed
+        assert len(pids) == (3 if timeout == 60 else 1)
     wait_gone(pids, within=5)
 
 

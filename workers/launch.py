@@ -1,8 +1,10 @@
 """Local stage workers: child processes on this host, on loopback, with this process as the driver.
 
-This is rrefpipe's embedded default. The children are ``python -m workers`` processes, so they are
-the same workers ``torchrun`` would start on other hosts. They die with their driver: each watches
-its stdin pipe (closed by the kernel when the driver exits, however it exits) and pings the driver.
+This is rrefpipe's embedded default. The children run ``python -m workers``'s ``main``, so they are
+the same workers ``torchrun`` would start on other hosts; they are forked from a warm process that has
+imported torch once (``workers.warm``), or started as fresh interpreters. They die with their driver:
+each watches its stdin pipe (closed by the kernel when the driver exits, however it exits) and pings
+the driver.
 """
 from __future__ import annotations
 
@@ -25,17 +27,13 @@ from .options import (DEFAULT_RPC_TIMEOUT, LOCAL_TRANSPORTS, backend_options, de
                       maps_to_later_workers)
 from .rendezvous import local_url, watching
 from .serve import stop_workers
+from .warm import WorkerProcess, start_processes
 
 __all__ = ["LocalWorkers", "free_port", "acquire_embedded", "release_embedded", "embedded_running",
            "adopt_driver_sys_path"]
 
 #: The driver's ``sys.path`` (JSON), handed to the local workers it starts.
 DRIVER_SYS_PATH = "RREFPIPE_DRIVER_SYS_PATH"
-
-#: ``python -m workers``, but of this very package: ``-m`` would look in the current directory first,
-#: where a user's own ``workers.py`` would run instead.
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RUN_THIS_PACKAGE = f"import sys; sys.path.insert(0, {_PACKAGE_PARENT!r}); from workers.__main__ import main; main()"
 
 _live: set[LocalWorkers] = set()
 _live_lock = threading.Lock()
@@ -85,7 +83,7 @@ class LocalWorkers:
         self.startup_timeout = startup_timeout
         self.transports = list(transports)
         self.refs = 0
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[WorkerProcess] = []
         self._started = False
         self._agent: object | None = None  # the driver's RPC agent of this group (the user may start another)
         self._owner: int | None = None  # the process that started the workers
@@ -117,20 +115,13 @@ class LocalWorkers:
         env[DRIVER_SYS_PATH] = json.dumps([os.path.abspath(p) for p in sys.path])
         self._owner = os.getpid()
         world = self.num_workers + 1
-        for rank, name in enumerate(self.names, start=1):
-            cmd = [sys.executable, "-c", _RUN_THIS_PACKAGE, "--rank", str(rank), "--world-size", str(world),
-                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--name", name,
-                   "--driver", self.driver_name, "--threads", str(self.threads), "--watch-stdin",
-                   "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo", "--rendezvous", "local"]
-            for transport in self.transports:
-                cmd += ["--transport", transport]
-            cmd += self._device_args(rank - 1)
-            self._procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env))
         with _live_lock:
             _live.add(self)
         saved = {k: os.environ.get(k) for k in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
         os.environ.update(TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
         try:
+            args = [self._worker_args(rank, world, port) for rank in range(1, world)]
+            self._procs = start_processes(args, env, timeout=self.startup_timeout)
             _rpc.prepare_reinit()
             options = backend_options(rpc_timeout=self.startup_timeout, init_method=init_method,
                                       transports=self.transports)
@@ -153,6 +144,16 @@ class LocalWorkers:
                     os.environ[key] = value
         self._started = True
         return self
+
+    def _worker_args(self, rank: int, world: int, port: int) -> list[str]:
+        """``python -m workers``'s arguments for the worker of ``rank``."""
+        args = ["--rank", str(rank), "--world-size", str(world), "--master-addr", "127.0.0.1", "--master-port",
+                str(port), "--name", self.names[rank - 1], "--driver", self.driver_name, "--threads",
+                str(self.threads), "--watch-stdin", "--rpc-timeout", str(self.rpc_timeout), "--interface", "lo",
+                "--rendezvous", "local"]
+        for transport in self.transports:
+            args += ["--transport", transport]
+        return args + self._device_args(rank - 1)
 
     def _device_args(self, k: int) -> list[str]:
         """A GPU worker's device and its maps to every later GPU worker (``maps_to_later_workers``)."""
