@@ -110,6 +110,32 @@ def free_urls(count: int) -> list[str]:
             s.close()
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for a torchrun agent's rendezvous or a store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone)."""
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, pid_alive
+from tests.conftest import ROOT, descendants, free_port, pid_alive
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _agent(node: int, nproc: int, port: int, go: Path) -> subprocess.Popen[str]:
@@ -32,28 +27,11 @@ def _agent(node: int, nproc: int, port: int, go: Path) -> subprocess.Popen[str]:
                             env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (torchrun starts its ranks in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @pytest.mark.timeout(120)
 def test_a_spare_on_another_host_takes_the_stage_of_a_host_that_died(tmp_path: Path):
-    port, go = _free_port(), tmp_path / "host-1-is-dead"
+    port, go = free_port(), tmp_path / "host-1-is-dead"
     hosts = [_agent(0, 3, port, go), _agent(1, 1, port, go)]
     try:
         deadline = time.monotonic() + 90
@@ -64,7 +42,7 @@ def test_a_spare_on_another_host_takes_the_stage_of_a_host_that_died(tmp_path: P
             assert line or hosts[0].poll() is None, "".join(out)
             out.append(line)
             assert time.monotonic() < deadline, "".join(out)
-        for pid in [hosts[1].pid, *_descendants(hosts[1].pid)]:  # host 1: its agent and worker3
+        for pid in [hosts[1].pid, *descendants(hosts[1].pid)]:  # host 1: its agent and worker3
             os.kill(pid, signal.SIGKILL)
         hosts[1].wait(timeout=10)
         go.touch()
@@ -78,7 +56,7 @@ def test_a_spare_on_another_host_takes_the_stage_of_a_host_that_died(tmp_path: P
         assert ok, text[-4000:]
     finally:
         for host in hosts:
-            for pid in [*_descendants(host.pid), host.pid]:
+            for pid in [*descendants(host.pid), host.pid]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, pid_alive, record_surfacing, run_script
+from tests.conftest import ROOT, descendants, free_port, pid_alive, record_surfacing, run_script
 
 SCRIPT = "tests/replicas/check_replica_loss.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subprocess.Popen[bytes]:
@@ -37,22 +32,6 @@ def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subpr
                                 env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _wait_for(path: Path, pattern: str, deadline: float, agent: subprocess.Popen[bytes]) -> str:
@@ -71,7 +50,7 @@ def test_the_replicas_go_on_without_a_lost_one_as_plain_pytorch_on_the_survivors
     with replica 1's account: the same worker, after 3 steps), runs step 3 again alone and goes on. Its six
     losses and final weights equal plain PyTorch's (assert_close's float32 tolerances) trained on both
     replicas' shares for steps 0-2 and on replica 0's share alone for steps 3-5."""
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / "host0.out", tmp_path / "host1.out"]
     # host 1's agent looks at its processes every 5 s: its driver has that long to report before the agent
     # stops the rest of its host
@@ -108,7 +87,7 @@ def test_the_replicas_go_on_without_a_lost_one_as_plain_pytorch_on_the_survivors
 
 def _kill_host(agent: subprocess.Popen[bytes]) -> None:
     """SIGKILL a "host": its agent and every process below it."""
-    for pid in [*_descendants(agent.pid), agent.pid]:
+    for pid in [*descendants(agent.pid), agent.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -121,7 +100,7 @@ def test_the_replicas_go_on_without_a_host_lost_whole_driver_included(tmp_path: 
     """Replica 1's host (agent, driver, stage workers) is SIGKILLed while replica 0 runs step 3: replica 0's
     averaging fails, it drops replica 1 with no report from it (its driver is dead too), runs step 3 again
     alone and ends as plain PyTorch on both replicas' shares for steps 0-2 and its own for 3-5."""
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / "host0.out", tmp_path / "host1.out"]
     agents = [_agent(0, port, outs[0], 0.5, "--host"), _agent(1, port, outs[1], 0.5, "--host")]
     start = time.monotonic()
@@ -175,7 +154,7 @@ def test_a_rebuilt_group_is_new_and_a_step_planned_before_it_does_not_join_it():
     run_script(f"""
         import torch, torch.distributed as dist
         from rrefpipe import replicas
-        store = dist.TCPStore("127.0.0.1", {_free_port()}, 1, is_master=True)
+        store = dist.TCPStore("127.0.0.1", {free_port()}, 1, is_master=True)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         old = dist.new_group([0])
         replicas.join(replicas.Membership(replica=0, replicas=1, group=old, ranks=[0], names=["driver"], timeout=5,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, record_surfacing, run_script, wait_gone
-from tests.replicas.test_replica_loss import _descendants, _free_port, _kill_host, _wait_for
+from tests.conftest import ROOT, descendants, free_port, record_surfacing, run_script, wait_gone
+from tests.replicas.test_replica_loss import _kill_host, _wait_for
 
 SCRIPT = "tests/replicas/check_replica_spares.py"
 
@@ -32,7 +32,7 @@ def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subpr
 
 def _run(tmp_path: Path, *args: str) -> tuple[list[str], float, float]:
     """Both replicas' outputs once each printed DONE (checked), the kill's time and the wall time."""
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / "host0.out", tmp_path / "host1.out"]
     # host 1's agent would stop every rank of its host once it sees worker6 dead: it looks only every 100 s
     agents = [_agent(0, port, outs[0], 0.5, *args), _agent(1, port, outs[1], 100, *args)]
@@ -42,7 +42,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[list[str], float, float]:
                  for r, (out, agent) in enumerate(zip(outs, agents))]
         wall = time.monotonic() - start
     finally:
-        pids = [pid for agent in agents for pid in [agent.pid, *_descendants(agent.pid)]]
+        pids = [pid for agent in agents for pid in [agent.pid, *descendants(agent.pid)]]
         for agent in agents:
             _kill_host(agent)
     wait_gone(pids, 10)
@@ -134,7 +134,7 @@ def test_let_go_closes_a_generation_and_regroup_makes_the_next():
     run_script(f"""
         import torch, torch.distributed as dist
         from rrefpipe import replicas
-        store = dist.TCPStore("127.0.0.1", {_free_port()}, 1, is_master=True)
+        store = dist.TCPStore("127.0.0.1", {free_port()}, 1, is_master=True)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         old = dist.new_group([0])
         replicas.join(replicas.Membership(replica=0, replicas=1, group=old, ranks=[0], names=["worker1"], timeout=5))
