@@ -12,6 +12,8 @@ from tests.conftest import record_surfacing, run_script
 pytestmark = pytest.mark.timeout(120)
 
 PRELUDE = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell's background job starts with Ctrl-C ignored)
 import time, torch, torch.distributed.autograd as dist_autograd
 from torch import nn
 from rrefpipe import Pipe, StageError, WorkerError

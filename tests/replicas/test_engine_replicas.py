@@ -106,7 +106,8 @@ HOST_SURVIVORS = [1, 2, 3]
 def test_an_all_reduce_in_progress_fails_at_once_on_some_survivors_and_at_the_timeout_on_the_others(runs):
     """(a) G's survivors wait in an all-reduce when a member is SIGKILLed: those that exchange data with it in
     Gloo's algorithm raise "Connection closed by peer" within milliseconds of the kill; the others wait for
-    data from those and raise at the group's timeout ("Timed out waiting 3000ms for recv operation"). In
+    data from those and raise at the group's timeout ("Timed out waiting 3000ms for recv operation", or, once
+    in a while, "Connection closed by peer" at that time, when a fast survivor's group closed first). In
     both scenarios at least one survivor fails at once and at least one waits the timeout (4 members)."""
     for kind, survivors in (("member", MEMBER_SURVIVORS), ("store_host", HOST_SURVIVORS)):
         during = per_rank(runs, kind, "a_during", survivors)
@@ -116,8 +117,8 @@ def test_an_all_reduce_in_progress_fails_at_once_on_some_survivors_and_at_the_ti
         assert fast and slow, during
         for r in fast:
             assert "Connection closed by peer" in during[r]["error"], during[r]
-        for r in slow:
-            assert "Timed out waiting" in during[r]["error"], during[r]
+        for r in slow:  # (its own timeout, or a fast survivor's group closing as that one went on, about then)
+            assert any(why in during[r]["error"] for why in ("Timed out waiting", "Connection closed by peer")), during[r]
             assert TIMEOUT_MS - 1000 <= during[r]["ms"] <= TIMEOUT_MS + 2500, during[r]
 
 
