@@ -492,7 +492,9 @@ def dynamic_scenario(url: str, hang_wait: float) -> None:
         go(procs["B"])  # joins a group that is already at work
         fact("B.joined_ms", _wait_for_members({"driver", "A", "B"}, START_WAIT))
         fact("members", sorted(w.name for w in agent.get_worker_infos()))
-        assert chain.place("B", "b")["ok"]
+        placed = _until_ok(lambda: chain.place("B", "b"), START_WAIT)  # (listed is not yet callable, under load)
+        fact("B.place", placed)
+        assert placed["ok"], placed
         fact("context_a_b", context_run(chain, [("A", "a"), ("B", "b")], hang_wait))
         fact("kill_ms", ms(sigkill(procs["B"])))
         fact("members_after_kill", sorted(w.name for w in agent.get_worker_infos()))
@@ -513,6 +515,17 @@ def dynamic_scenario(url: str, hang_wait: float) -> None:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
+
+
+def _until_ok(attempt: Callable[[], dict[str, Any]], within: float) -> dict[str, Any]:
+    """``attempt()`` (a :func:`timed_call`) again until it is ok or ``within`` seconds have passed: its last
+    result, with the attempts made and the errors of those that failed."""
+    deadline, errors = time.monotonic() + within, []
+    while True:
+        result = attempt()
+        if result["ok"] or time.monotonic() > deadline:
+            return dict(result, attempts=len(errors) + 1, errors=errors)
+        errors.append(result["error"])
 
 
 def _wait_for_members(names: set[str], within: float) -> float:
