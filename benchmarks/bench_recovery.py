@@ -42,7 +42,8 @@ F.cross_entropy, opt)`` everywhere.
    (``spares=[the next pool worker]``, ``snapshot_every=--snapshot-every`` k) whose stage workers are the
    live ones (a trial's spare serves the killed stage in the next): after ``2k - 1`` updates (the committed
    snapshot is the one taken at update k: the next step's recovery replays ``k - 1`` batches) or after
-   ``2k`` updates (a snapshot taken just before the kill: it replays none), the worker of stage
+   ``2k`` updates (a snapshot taken just before the kill, waited for until all of it is on the holder:
+   it replays none; a kill during its transfer would go back to the one before), the worker of stage
    ``--kill-stage`` (1) is SIGKILLed between two steps, and the stream goes on for 2 more. **kill -> step**:
    from ``time.perf_counter()`` just before ``os.kill`` to the next loss yielded. The guard's methods are
    wrapped on the pipe's instance (timing only; the library is unchanged) to split it: ``surface``, from
@@ -62,7 +63,7 @@ F.cross_entropy, opt)`` everywhere.
    that it still has one at the end), ``snapshot_every=k``, runs ``--soak-steps`` (400) distinct batches
    (seeded by their index); kill i (i = 1, 2, ... while i x M < steps, M = ``--kill-every``, 100) SIGKILLs
    the worker of stage (i - 1) mod n after update i x M (i odd: just after a snapshot, nothing to replay)
-   or i x M - 1 (i even: k - 1 to replay). ``VmRSS`` of the driver and of every live worker is read from
+   or i x M - 1 (i even: k - 1 to replay; for i odd the kill waits until that snapshot is all on the holder). ``VmRSS`` of the driver and of every live worker is read from
    ``/proc/PID/status`` after update ``--soak-warmup`` (M / 2: the holder's RSS settles over its first
    snapshots, two generations and the one arriving), every ``--rss-every`` (50) updates, just before each
    kill and at the end; ``flat``:
@@ -371,6 +372,8 @@ def recovery_trial(model: nn.Module, pool: Pool, args: argparse.Namespace, scena
             next(it)
             stamps.append(time.perf_counter())
         snapshots = list(pipe._guard.snapshot_seconds)
+        if scenario == "0":
+            arrived(pipe, before)
         load = loadavg()
         t_kill = pool.kill(victim)
         next(it)
@@ -416,6 +419,17 @@ def recovery_times(model: nn.Module, pool: Pool, args: argparse.Namespace) -> di
 
 
 # -- 3. soak -------------------------------------------------------------------------------------------
+def arrived(pipe: Any, update: int, within: float = 30.0) -> None:
+    """Wait until the snapshot taken with ``update`` is all on the holder (``pipe.snapshots``): a kill meant
+    to find nothing to replay must not land in its transfer (which the step before did not wait for), or the
+    holder gives it up and the recovery goes back to the one before."""
+    deadline = time.monotonic() + within
+    while (pipe.snapshots.committed_update or 0) < update:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the snapshot of update {update} did not reach the holder within {within} s")
+        time.sleep(0.001)
+
+
 def kill_plan(steps: int, every: int) -> list[int]:
     """The update after which each kill comes: i x every (i odd) or i x every - 1 (i even), while < steps."""
     return [i * every - (0 if i % 2 else 1) for i in range(1, steps) if i * every < steps]
@@ -497,6 +511,8 @@ def soak(model: nn.Module, pool: Pool, args: argparse.Namespace, reference: tupl
                   and update % args.rss_every == 0):
                 samples.append(sample(pipe, pool, spares, update, "every"))
             if update in plan:
+                if update % k == 0:
+                    arrived(pipe, update)
                 samples.append(sample(pipe, pool, spares, update, f"kill {len(kills) + 1}"))
                 stage = len(kills) % args.stages
                 victim = pipe._driver.workers[stage]
