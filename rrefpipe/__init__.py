@@ -5,7 +5,7 @@ from .errors import ReplicaLost, ReplicasDropped, StageError, StageReplaced, Wor
 from .driver_side.grad_scaler import GradScaler
 from .driver_side.local import InProcessWarning
 from .driver_side.output import PipeRRef, RemotePipeRRef
-from .driver_side.recovery import Recovery
+from .driver_side.recovery import Recovery, Snapshots
 from .pipe import Pipe
 from .schedule import PipeMareOptions
 from .stage_side.stage import StageInfo
@@ -15,6 +15,6 @@ from .weights import meta_parameters
 
 __all__ = ["Pipe", "GradScaler", "StageError", "WorkerError", "StageInfo", "Event", "format_events",
            "is_checkpointing", "is_recomputing", "InProcessWarning", "PipeRRef", "RemotePipeRRef", "set_stage",
-           "CaptureError", "PipeMareOptions", "meta_parameters", "save_model", "load_model", "Recovery",
+           "CaptureError", "PipeMareOptions", "meta_parameters", "save_model", "load_model", "Recovery", "Snapshots",
            "ReplicaLost", "ReplicasDropped", "StageReplaced"]
 __version__ = "0.1.0"

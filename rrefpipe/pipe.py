@@ -872,6 +872,14 @@ class Pipe(nn.Module):
         peers = getattr(getattr(self, "_driver", None), "peers", None)  # (spares with replicas)
         return list(guard.records) if guard is not None else list(peers.records) if peers is not None else []
 
+    @property
+    def snapshots(self) -> recovery.Snapshots | None:
+        """What keeping this pipe recoverable holds and costs (``spares=``; ``None`` without, and with replicas,
+        whose spares take a live replica's state and keep no snapshot): the holder, the bytes it keeps, and
+        each snapshot's wait and transfer times."""
+        guard = getattr(self, "_guard", None)
+        return guard.stats() if guard is not None else None
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state under its own keys, as CPU copies gathered from every stage into this process
         (``nn.Module.state_dict``'s arguments). Fine for models that fit one process; for larger ones use

@@ -28,7 +28,7 @@ from ..stage_side import snapshots
 from . import pipe_optimizer
 from .remote import RemoteDriver
 
-__all__ = ["Recovery", "Guard"]
+__all__ = ["Recovery", "Snapshots", "Guard"]
 
 PING_TIMEOUT = 2.0  # seconds a live worker has to answer; a dead one fails at once (engine notes, fact 1)
 
@@ -61,6 +61,32 @@ class Recovery:
     seconds: float
     cause: str
     source: str = "snapshot"
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """What keeping a pipe recoverable holds and costs (``pipe.snapshots``), for choosing ``snapshot_every``.
+
+    Attributes:
+        every: ``snapshot_every``.
+        holder: the spare keeping them (``None``: none left, and the pipe can no longer recover).
+        taken: snapshots taken so far.
+        committed_update: ``train_stream``'s update count at the snapshot a recovery goes back to (``None``:
+            none yet).
+        bytes: what the holder keeps of one snapshot (every stage's state); it holds up to twice that while
+            the next one arrives, and each stage worker a copy of its own part until it is sent.
+        wait_seconds: per snapshot, what the step after it waited for (each stage copying its state).
+        transfer_seconds: per snapshot, from its start until all of it was on the holder (meanwhile the
+            next step ran).
+    """
+
+    every: int
+    holder: str | None
+    taken: int
+    committed_update: int | None
+    bytes: int
+    wait_seconds: tuple[float, ...]
+    transfer_seconds: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,12 @@ class Guard:
         """A stream starts: a snapshot of the state before its first update, unless one is kept already."""
         if self._taken is None:
             self.snapshot()
+
+    def stats(self) -> Snapshots:
+        """``pipe.snapshots`` (the one in transit counts as committed once it has arrived)."""
+        self._poll()
+        return Snapshots(self.every, self.holder, len(self.snapshot_seconds), self.committed, self.snapshot_bytes,
+                         tuple(self.snapshot_seconds), tuple(self.transfer_seconds))
 
     def _settle(self) -> None:
         """Wait for the snapshot in transit to be committed on the holder, and make it the one to go back to

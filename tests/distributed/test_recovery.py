@@ -318,6 +318,7 @@ def scenario(spec: dict[str, Any], out: str) -> None:
     result["recoveries"] = [dataclasses.asdict(r) for r in pipe.recoveries]
     result["final_workers"] = list(pipe._driver.workers)
     result["holder_after"] = pipe._guard.holder
+    result["snapshots"] = dataclasses.asdict(pipe.snapshots) if pipe.snapshots is not None else None
     if not pipe._driver.closed:
         result["state"] = pipe.state_dict()
         pipe.close()
@@ -566,4 +567,11 @@ def test_named_workers_and_spares(warm_python, tmp_path):
     (record,) = result["recoveries"]
     assert_recovery(record, "worker1", (0,), "worker3", failed_update=3, restored_update=2)
     assert result["final_workers"] == ["worker3", "worker2"] and result["holder_after"] == "worker4"
+    snaps = result["snapshots"]  # (pipe.snapshots: after 0 and 2 updates on worker3; 2 again, 4, 6 on worker4)
+    assert (snaps["holder"], snaps["every"], snaps["taken"]) == ("worker4", 2, 5)
+    assert snaps["committed_update"] in (4, 6)  # (the last one's transfer may still be on its way)
+    weights = sum(t.numel() * t.element_size() for t in result["state"].values())
+    assert 3 * weights <= snaps["bytes"] < 3 * weights + 65536  # weights and AdamW's two moments, and the structure
+    assert len(snaps["wait_seconds"]) == 5 and len(snaps["transfer_seconds"]) in (4, 5)
+    assert all(0 < t < 60 for t in snaps["wait_seconds"] + snaps["transfer_seconds"])
     assert_like_reference(result, spec)
