@@ -52,12 +52,8 @@ from typing import Any
 __all__: list[str] = []
 
 #: What every local worker imports before it serves (torch, RPC, the worker and the stage side),
-#: imported once here. Forking after that is safe, which ``serve_forks`` checks before any fork. Also what
-#: a stage's first optimizer imports: ``torch.optim`` brings ``torch._dynamo`` in at its first optimizer
-#: (1.5 CPU-s, measured), and ``DistributedOptimizer`` its functional optimizers (0.3 CPU-s): paid once here,
-#: not by each worker (nor by a spare in a recovery). None of them starts a thread.
+#: imported once here. Forking after that is safe, which ``serve_forks`` checks before any fork.
 PRELOAD = ("torch", "torch.distributed.rpc", "torch.distributed.autograd", "torch.utils.checkpoint",
-           "torch._dynamo", "torch.distributed.optim",
            "workers.__main__", "rrefpipe.stage_side.server", "rrefpipe.stage_side.control")
 READY = b"ready"
 UNSAFE = b"unsafe: "
