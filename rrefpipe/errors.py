@@ -120,6 +120,25 @@ class StageReplaced(RuntimeError):
         self.again, self.recoveries = again, recoveries
 
 
+def add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` where Python has it (3.11+: shown under the message); nothing before."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (c10d's and TensorPipe's errors carry a C++ stack trace after it), or its
+    type's name when it has no message."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: first line`` of an exception: its cause quoted in a message of ours, in one line."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def is_transport_error(exc: BaseException | str) -> bool:
     """Whether an RPC error is TensorPipe's about the connection (lost, refused, timed out), not an
     exception raised by the remote function or a layer, whatever words that uses."""

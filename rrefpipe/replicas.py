@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .errors import summary
+
 __all__ = ["Membership", "ReplicaLoss", "join", "current", "average_gradients", "broadcast_from_first", "end_step",
            "check_same", "unreachable", "rebuild", "regroup", "let_go", "barrier", "losses", "ON_LOSS"]
 
@@ -157,9 +159,8 @@ def end_step(params: Sequence[Tensor], grads: Sequence[Tensor | None], rows: int
         who = (f"{', '.join(repr(name) for name in gone)} of the job {'is' if len(gone) == 1 else 'are'} gone or "
                "do not answer" if gone else "every process of the job answers: a replica may have run fewer steps "
                "(out of data?) or stopped training")
-        first_line = str(failed).splitlines()[0] if str(failed) else ""
         raise RuntimeError(f"averaging gradients with the other replicas ({', '.join(m.names)}) failed: {who} "
-                           f"({type(failed).__name__}: {first_line})") from failed
+                           f"({summary(failed)})") from failed
     return averaged
 
 
@@ -242,7 +243,7 @@ def rebuild(live: Sequence[int], generation: int) -> None:
             raise RuntimeError(f"{m.names[m.live_replicas.index(m.replica)]} could not form the replicas' group "
                                f"{names} without the lost replicas within {m.timeout:g} s: the job's store is gone "
                                f"(its host, the rendezvous host, was lost) or a live replica did not take part "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                               f"({summary(exc)})") from exc
         _retired.append(m.group)
         join(replace(m, replicas=len(ranks), group=group, ranks=ranks, names=names, live=tuple(live),
                      generation=generation))
@@ -280,8 +281,7 @@ def regroup(ranks: Sequence[int], names: Sequence[str], generation: int) -> None
                                           timedelta(seconds=m.timeout))
         except Exception as exc:
             raise RuntimeError(f"rank {me} could not form the replicas' group {list(names)} within {m.timeout:g} s: "
-                               f"the job's store is gone or a member did not take part ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                               f"the job's store is gone or a member did not take part ({summary(exc)})") from exc
         join(replace(m, group=group, ranks=list(ranks), names=list(names), generation=generation))
 
 

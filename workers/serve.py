@@ -30,6 +30,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from rrefpipe._cpp_log import quiet_cpp_warnings, quiet_from_now
+from rrefpipe.errors import first_line
 
 from .options import STAGE_INTEROP_THREADS, init_rpc
 
@@ -71,12 +72,6 @@ def _watch_stdin(grace: float) -> None:
     os._exit(0)
 
 
-def _first_line(exc: BaseException) -> str:
-    """An exception's first line: c10d store errors carry a C++ stack trace after it."""
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _driver_store(name: str, interval: float) -> torch.distributed.TCPStore | None:
     """A client of the rendezvous store at MASTER_ADDR:MASTER_PORT, or None when there is none to watch."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -87,7 +82,7 @@ def _driver_store(name: str, interval: float) -> torch.distributed.TCPStore | No
         return torch.distributed.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     except Exception as exc:
         log.warning("worker %s: cannot watch the rendezvous store %s:%s (%s); relying on pings", name, addr, port,
-                    _first_line(exc))
+                    first_line(exc))
         return None
 
 
@@ -105,7 +100,7 @@ def _watch_store(store: torch.distributed.TCPStore, name: str, interval: float) 
             misses += 1
             if misses >= 2 and not _stop.is_set():
                 log.warning("worker %s: the rendezvous store %s:%s is gone (%s); leaving", name, store.host,
-                            store.port, _first_line(exc))
+                            store.port, first_line(exc))
                 os._exit(0)
 
 
@@ -243,7 +238,7 @@ def _leave(graceful: bool, timeout: float, status: int = 0) -> NoReturn:
     try:
         rpc.shutdown(graceful=graceful, timeout=timeout)
     except Exception as exc:  # the graceful one's barrier failed; it has shut this worker down anyway
-        log.warning("graceful shutdown with the driver failed (%s); leaving", _first_line(exc))
+        log.warning("graceful shutdown with the driver failed (%s); leaving", first_line(exc))
     os._exit(status)  # TensorPipe threads can outlive shutdown; nothing else is left to flush
 
 

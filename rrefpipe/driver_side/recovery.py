@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from .. import _rpc
-from ..errors import StageError, warn_user
+from ..errors import StageError, add_note, summary, warn_user
 from ..stage_side import snapshots
 from . import pipe_optimizer
 from .remote import RemoteDriver
@@ -272,7 +272,7 @@ class Guard:
         why = self._cannot(lost, lost_stages)
         if why:
             self.failed = True
-            _note(exc, f"{why}; the pipe is closed")
+            add_note(exc, f"{why}; the pipe is closed")
             raise exc
         before = list(self.driver.workers)
         moved = self._restore(lost_stages)
@@ -286,7 +286,7 @@ class Guard:
         for batch in again:
             replay(batch)
         self._record(moved, before, failed_update, restored, len(again), started,
-                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                     summary(exc))
 
     def restore(self) -> Any:
         """``pipe.recover()``: every stage back to the last snapshot (``pipe.snapshot(tag)``'s), the stages
@@ -394,9 +394,4 @@ def reconnect_rebuilt(driver: RemoteDriver, workers: list[str], calls: Sequence[
                                timeout=driver.rpc_timeout) for j, w in enumerate(workers)]
     for call in restoring:
         _rpc.wait(call)
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # (Python 3.11+; shown under the message)
-        exc.add_note(text)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .. import replicas
-from ..errors import ReplicaLost, ReplicasDropped
+from ..errors import ReplicaLost, ReplicasDropped, first_line
 
 __all__: list[str] = []
 
@@ -58,14 +58,14 @@ def after_failure(exc: BaseException) -> None:
     if m is None or m.on_loss != "continue":
         return
     start = time.perf_counter()
-    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    line = first_line(exc)
     decided = replicas.read(f"dropped/{m.generation + 1}", 0)
     if decided is not None and m.replica in decided["lost"]:  # the others went on without this replica
         raise ReplicaLost(
             f"replica {m.replica} was dropped by replicas {decided['live']} after {decided['step']} steps averaged "
             f"over every replica: they found {', '.join(map(repr, decided['gone']))} gone or not answering within "
             f"{PING_WITHIN:g} s (a process of this replica busy for that long counts as lost). This replica cannot "
-            f"rejoin; leave the torchrun_group block ({first_line})", m.replica, tuple(decided["gone"]),
+            f"rejoin; leave the torchrun_group block ({line})", m.replica, tuple(decided["gone"]),
             int(decided["step"])) from exc
     gone = tuple(replicas.unreachable(PING_WITHIN))
     by_name = dict(zip(m.job, m.job_replicas))
@@ -75,7 +75,7 @@ def after_failure(exc: BaseException) -> None:
     step = _averaged[0]
     if m.replica in lost:
         own = tuple(name for name in gone if by_name.get(name) == m.replica)
-        account = f"{', '.join(map(repr, own))} gone after {step} averaged steps ({first_line})"
+        account = f"{', '.join(map(repr, own))} gone after {step} averaged steps ({line})"
         try:
             replicas.publish(f"lost/{m.replica}", {"gone": list(own), "step": step, "account": account})
         except Exception:  # the store's host is gone too: the survivors cannot go on anyway
@@ -84,7 +84,7 @@ def after_failure(exc: BaseException) -> None:
         raise ReplicaLost(
             f"replica {m.replica} is lost: {', '.join(map(repr, own))} of it "
             f"{'is' if len(own) == 1 else 'are'} gone or do{'es' if len(own) == 1 else ''} not answer, in the step "
-            f"after {step} steps averaged over every replica ({first_line}). With on_replica_loss='continue' "
+            f"after {step} steps averaged over every replica ({line}). With on_replica_loss='continue' "
             + (f"replicas {others} go on without it from that step, averaging over their own rows; this replica's "
                "batches from that step on are not trained unless you give them to the others (stage_workers.live "
                "names who is left). " if others else "no replica is left to go on. ")
@@ -114,7 +114,7 @@ def after_failure(exc: BaseException) -> None:
         f"replica{'s' if len(lost) > 1 else ''} {list(lost)} lost ({', '.join(map(repr, gone))} gone) in the step "
         f"after {step} averaged steps; replicas {list(live)} go on without {'them' if len(lost) > 1 else 'it'}: "
         "nothing of this step was applied, run it again in a new distributed-autograd context (train_stream "
-        f"does), averaged over the live replicas' rows ({first_line})", loss) from exc
+        f"does), averaged over the live replicas' rows ({line})", loss) from exc
 
 
 def _rebuild_workers(m: replicas.Membership, live: tuple[int, ...], generation: int) -> None:
@@ -136,6 +136,6 @@ def wait_all(calls: dict[str, Any], failure: str) -> None:
         try:
             call.wait()
         except Exception as exc:
-            failed.append(f"{name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            failed.append(f"{name}: {first_line(exc)}")
     if failed:
         raise RuntimeError(f"{failure}: {'; '.join(failed)}")

@@ -37,14 +37,12 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .. import replicas
-from ..errors import StageReplaced
+from ..errors import StageReplaced, add_note, summary
 from ..stage_side import snapshots
 from . import pipe_optimizer, replica_recovery
 from .recovery import Recovery, reconnect_rebuilt
 
 __all__ = ["PeerGuard"]
-
-PING_WITHIN = 2.0  # seconds a process of the job has to answer before it counts as gone
 
 
 _FIRST_OPTIMIZER = cloudpickle.dumps((torch.optim.SGD, {"lr": 0.1}))
@@ -82,7 +80,7 @@ class PeerGuard:
         m = replicas.current()
         assert m is not None
         driver = self.driver
-        gone = [name for name in replicas.unreachable(PING_WITHIN) if name not in self.gone]
+        gone = [name for name in replicas.unreachable(replica_recovery.PING_WITHIN) if name not in self.gone]
         if not gone:  # (only processes already recovered from, or none, are gone: not a loss)
             return
         # this replica's stage workers close their groups now: a peer of another replica that waits in the failed
@@ -100,8 +98,7 @@ class PeerGuard:
         try:
             dist.all_gather_object(views, view, group=m.group)
         except Exception as error:
-            self._cannot(exc, f"the drivers could not agree on what is gone ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''})")
+            self._cannot(exc, f"the drivers could not agree on what is gone ({summary(error)})")
         by = {v["replica"]: v for v in views}
         gone = sorted(set().union(*(v["gone"] for v in views)))
         self.gone.update(gone)
@@ -140,7 +137,7 @@ class PeerGuard:
         replicas.barrier()  # (the donor's stages stay as they are until every target has copied them)
         self.spares = [s for s in spares[mine] if s not in moved[mine].values()]
         before, self.updates = self.updates, (top if mine in targets else self.updates)
-        cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        cause = summary(exc)
         new_records = [Recovery(w, tuple(j for j, old in enumerate(by[mine]["workers"]) if old == w), spare, before,
                                 top, 0, time.perf_counter() - started, cause, f"replica {donor}")
                        for w, spare in moved[mine].items()]
@@ -159,8 +156,7 @@ class PeerGuard:
     def _cannot(self, exc: BaseException, why: str) -> None:
         """Spares cannot recover the job: ``on_replica_loss`` decides (``"continue"``: the replicas that lost a
         process are dropped), else ``exc`` is raised with a note saying why."""
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"spares could not replace the lost stage workers: {why}")
+        add_note(exc, f"spares could not replace the lost stage workers: {why}")
         replica_recovery.after_failure(exc)  # (raises ReplicaLost or ReplicasDropped with "continue")
         raise exc
 

@@ -30,7 +30,7 @@ from ..captured import StructuredLoss
 from .remote import _pickled_loss, _send_copy
 from .local import LocalDriver
 from .diagnosis import first_cause
-from ..errors import Failure, ReplicasDropped, StageError, StageReplaced
+from ..errors import Failure, ReplicasDropped, StageReplaced
 from ..loss import mean_loss, split_target
 from ..microbatch import TensorOrTensors
 from ..schedule import PipeMareOptions, is_async
@@ -344,17 +344,13 @@ def _train_loop(pipe: Any, batches: Iterable[Any], loss_fn: Any, optimizer: Any,
     from .pipe_optimizer import PipeOptimizer  # (driver side, as this module)
 
     guard = pipe._guard
-    if guard is not None:
-        if not isinstance(optimizer, PipeOptimizer):
-            raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
-                            f"a {type(optimizer).__name__} (a DistributedOptimizer holds RRefs to the lost worker's "
-                            "parameters)")
-        guard.start()
-
     peers = getattr(pipe._driver, "peers", None)  # spares with replicas (driver_side.replica_spares)
-    if peers is not None and not isinstance(optimizer, PipeOptimizer):
-        raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not a "
-                        f"{type(optimizer).__name__}")
+    if (guard is not None or peers is not None) and not isinstance(optimizer, PipeOptimizer):
+        raise TypeError("a pipe with spares recovers the optimizer with its stages: pass pipe.optimizer(...), not "
+                        f"a {type(optimizer).__name__} (a DistributedOptimizer holds RRefs to the lost worker's "
+                        "parameters)")
+    if guard is not None:
+        guard.start()
 
     def step(batch: tuple[Any, Any]) -> Tensor:
         updated = True
