@@ -90,7 +90,7 @@ def test_the_holder_commits_a_generation_once_every_stage_arrived_and_a_recovery
         snapshots.keep(pipe, 1, 2, 2, *part(2.5))  # ... and a late part of the one given up changes nothing
         held = snapshots._held[pipe]
         assert held.generation == 1 and held.arriving == {}
-        torch.testing.assert_close(snapshots.join(held.committed[1][1]), torch.full((3,), 1.5))
+        torch.testing.assert_close(snapshots.join(held.committed[1]), torch.full((3,), 1.5))
         with pytest.raises(RuntimeError, match="given up"):
             snapshots.committed(pipe, 2).wait()
         snapshots.keep(pipe, 1, 3, 2, *part(3.5))

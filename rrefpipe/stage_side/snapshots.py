@@ -148,14 +148,14 @@ def push(pipe_id: str, j: int, holder: str, generation: int, stages: int, optimi
 class _Held:
     """One pipe's snapshots on the holder."""
 
-    committed: dict[int, tuple[int, Part]] = field(default_factory=dict)  # stage -> (generation, part)
-    arriving: dict[int, tuple[int, Part]] = field(default_factory=dict)
+    committed: dict[int, Part] = field(default_factory=dict)  # stage -> its part of ``generation``
+    arriving: dict[int, tuple[int, Part]] = field(default_factory=dict)  # stage -> (generation, part)
     generation: int = 0  # the committed generation (0: none)
     abandoned: int = 0  # parts of generations up to this one are late: a recovery went back past them
     waiting: dict[int, list[Future[int]]] = field(default_factory=dict)  # generation -> its commit's waiters
 
     def bytes(self) -> int:
-        return sum(nbytes(part) for _, part in self.committed.values())
+        return sum(nbytes(part) for part in self.committed.values())
 
 
 _held: dict[str, _Held] = {}  # pipe id -> its snapshots, on the holder
@@ -174,7 +174,8 @@ def keep(pipe_id: str, j: int, generation: int, stages: int, structure: bytes, s
         held.arriving[j] = (generation, (structure, storages))
         if len(held.arriving) < stages or any(g != generation for g, _ in held.arriving.values()):
             return
-        held.committed, held.arriving, held.generation = held.arriving, {}, generation
+        held.committed = {stage: part for stage, (_, part) in held.arriving.items()}
+        held.arriving, held.generation = {}, generation
         done = [g for g in held.waiting if g <= generation]
         waiters = [w for g in done for w in held.waiting.pop(g)]
         size = held.bytes()
@@ -234,9 +235,10 @@ def send(pipe_id: str, j: int, to: str, timeout: float = _DEFAULT_TIMEOUT) -> Fu
     with _lock:
         held = _held.get(pipe_id)
         kept = held.committed.get(j) if held is not None else None
+        generation = held.generation if held is not None else 0
     if kept is None:
         raise LookupError(f"no committed snapshot of stage {j} of pipe {pipe_id!r} on {rpc.get_worker_info().name!r}")
-    generation, (structure, storages) = kept
+    structure, storages = kept
     if to == rpc.get_worker_info().name:  # (the stage trains its tensors in place: not the kept ones)
         done: Future[tuple[int, StageInfo]] = Future()
         done.set_result((generation, rebuild(pipe_id, structure, [s.clone() for s in storages])))

@@ -20,14 +20,14 @@ from tests.conftest import ROOT, descendants, free_port, pid_alive, record_surfa
 SCRIPT = "tests/replicas/check_replica_loss.py"
 
 
-
-
-def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subprocess.Popen[bytes]:
-    """A torchrun agent for "host" ``node``: one replica, a driver and 2 stage workers (layout "replica")."""
+def _agent(node: int, port: int, out: Path, monitor: float, *args: str, script: str = SCRIPT, nproc: int = 3
+           ) -> subprocess.Popen[bytes]:
+    """A torchrun agent for "host" ``node`` running ``script``: one replica of ``nproc`` ranks (layout "replica":
+    a driver and 2 stage workers here, and a spare in tests/replicas/test_replica_spares.py)."""
     with open(out, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                 str(node), "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port",
-                                 str(port), "--monitor-interval", str(monitor), SCRIPT, *args],
+                                 str(node), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                                 "--master-port", str(port), "--monitor-interval", str(monitor), script, *args],
                                 stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 

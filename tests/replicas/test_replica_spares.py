@@ -4,10 +4,8 @@ worker; its spare takes the stage, replica 1's stages take their state from repl
 as the uninterrupted data-parallel run in plain PyTorch (tests/replicas/check_replica_spares.py)."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, descendants, free_port, record_surfacing, run_script, wait_gone
+from tests.replicas.test_replica_loss import _agent as replica_agent
 from tests.replicas.test_replica_loss import _kill_host, _wait_for
 
 SCRIPT = "tests/replicas/check_replica_spares.py"
@@ -22,12 +21,7 @@ SCRIPT = "tests/replicas/check_replica_spares.py"
 
 def _agent(node: int, port: int, out: Path, monitor: float, *args: str) -> subprocess.Popen[bytes]:
     """A torchrun agent for "host" ``node``: one replica, a driver, 2 stage workers and a spare."""
-    with open(out, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                 str(node), "--nproc-per-node", "4", "--master-addr", "127.0.0.1", "--master-port",
-                                 str(port), "--monitor-interval", str(monitor), SCRIPT, *args],
-                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    return replica_agent(node, port, out, monitor, *args, script=SCRIPT, nproc=4)
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[list[str], float, float]:
